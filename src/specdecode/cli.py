@@ -1,0 +1,145 @@
+"""Command line: `specdecode generate|serve|bench|train-target|train-drafter|export`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _add_train_target(sub) -> None:
+    p = sub.add_parser(
+        "train-target",
+        help="pre-train the embedded default code model on the Python standard library",
+        description="Pre-train a Llama-architecture code model from scratch on this interpreter's "
+        "standard library (.py files), then export it in HF layout (bf16 safetensors).",
+    )
+    p.add_argument("--out", default="models/stdlib-code-22m", help="export directory (HF layout)")
+    p.add_argument("--work-dir", default="runs/train-target", help="checkpoints and token cache (not committed)")
+    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--max-steps", type=int, default=900, help="optimizer steps (the cosine schedule spans them)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows of CONTEXT tokens per step")
+    p.add_argument("--context", type=int, default=1024, help="training window = model context length")
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--intermediate-size", type=int, default=1408)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    p.add_argument("--warmup-steps", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype")
+    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
+    p.set_defaults(func=_run_train_target)
+
+
+def _run_train_target(args) -> int:
+    import json
+
+    from specdecode.train.pretrain import PretrainConfig, train
+
+    cfg = PretrainConfig(
+        out_dir=args.out, work_dir=args.work_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size, num_layers=args.layers, num_heads=args.heads,
+        num_kv_heads=args.kv_heads, context=args.context, batch_size=args.batch_size, max_steps=args.max_steps,
+        lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_minutes=args.checkpoint_minutes,
+        dtype=args.dtype, device=args.device,
+    )
+    report = train(cfg, resume=args.resume)
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+def _add_model_args(p, speculative: bool = True) -> None:
+    p.add_argument("--model", default=None, help="HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3); default: the embedded model")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights/activations dtype; auto = the measured faster one for the device (see README)")
+    p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+    if speculative:
+        p.add_argument("--speculative-config", default=None, metavar="JSON",
+                       help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (keys: README)')
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate text for one prompt, streamed to the terminal",
+                       description="Generate a continuation of --prompt, streaming it as it is produced, then "
+                       "print a one-line summary (tokens, tokens/s, and speculative stats when enabled).")
+    p.add_argument("--prompt", required=True, help="prompt text (use --chat to wrap it as a user message)")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template to the prompt")
+    p.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (exact argmax; the default)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="per-request seed for reproducible sampling")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-text")
+    _add_model_args(p)
+    p.set_defaults(func=_run_generate)
+
+
+def _run_generate(args) -> int:
+    import time
+
+    from specdecode import LLM, SamplingParams
+    from specdecode.tokenizer import IncrementalDetokenizer
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
+              max_num_seqs=1)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
+                            seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    sys.stdout.write(args.prompt if not args.chat else "")
+    request_id = llm.add_request(prompt, params)
+    detok = IncrementalDetokenizer(hold_back=max((len(x) for x in params.stop), default=1) - 1)
+    start = time.perf_counter()
+    final = None
+    while llm.has_unfinished():
+        for out in llm.step():
+            if out.request_id == request_id:
+                sys.stdout.write(detok.delta(out.text, final=out.finished))
+                sys.stdout.flush()
+                final = out
+    elapsed = time.perf_counter() - start
+    m = final.metrics
+    summary = (f"\n\n[{m.num_output_tokens} tokens in {elapsed:.2f}s, {m.num_output_tokens / elapsed:.1f} tokens/s, "
+               f"finish_reason={final.finish_reason}")
+    if llm.speculator is not None:
+        per_pos = ", ".join(f"{x:.2f}" for x in m.per_position_acceptance)
+        summary += (f"; {llm.speculator.config.method}: mean acceptance length {m.mean_acceptance_length:.2f}, "
+                    f"acceptance rate {m.acceptance_rate:.1%} ({m.num_accepted_tokens}/{m.num_draft_tokens}), "
+                    f"per-position [{per_pos}]")
+    print(summary + "]")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_train_target(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    from specdecode.errors import SpecDecodeError
+
+    try:
+        return args.func(args)
+    except SpecDecodeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,256 @@
+"""LLM: the public engine. add_request / step / generate.
+
+A step reads like the spec: schedule a batch, run it (prefill, plain decode, or a
+speculative step), hand the new tokens to the scheduler which appends them and finishes
+sequences.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.config import EngineConfig, SamplingParams
+from specdecode.defaults import default_model_dir
+from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.engine.scheduler import ScheduledBatch, Scheduler
+from specdecode.engine.sequence import Sequence
+from specdecode.errors import InvalidRequestError, ModelLoadError
+from specdecode.models.loader import load_model
+from specdecode.sampling import SamplingBatch, sample
+from specdecode.spec.metrics import SpecStats
+from specdecode.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
+
+
+@dataclasses.dataclass(slots=True)
+class RequestMetrics:
+    """Per-request figures: speculative stats (see spec/metrics.py) and latencies (seconds)."""
+
+    num_prompt_tokens: int
+    num_output_tokens: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    accepted_per_position: list[int]
+    per_position_acceptance: list[float]
+    acceptance_rate: float
+    mean_acceptance_length: float
+    draft_time: float
+    verify_time: float
+    time_to_first_token: float | None
+    e2e_latency: float | None
+
+    @classmethod
+    def from_sequence(cls, seq: Sequence) -> "RequestMetrics":
+        s: SpecStats = seq.stats
+        end = seq.finish_time or time.perf_counter()
+        return cls(
+            num_prompt_tokens=len(seq.prompt_token_ids), num_output_tokens=len(seq.output_token_ids),
+            num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens, num_accepted_tokens=s.num_accepted_tokens,
+            accepted_per_position=list(s.accepted_per_position), per_position_acceptance=s.per_position_acceptance,
+            acceptance_rate=s.acceptance_rate, mean_acceptance_length=s.mean_acceptance_length,
+            draft_time=s.draft_time, verify_time=s.verify_time,
+            time_to_first_token=None if seq.first_token_time is None else seq.first_token_time - seq.arrival_time,
+            e2e_latency=end - seq.arrival_time,
+        )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+    metrics: RequestMetrics
+
+
+class LLM:
+    """Offline engine: `LLM(model=None).generate(prompts, SamplingParams(...))`.
+
+    model: an HF checkpoint directory (Llama / Mistral / Qwen2 / Qwen3); None = the
+    embedded default model. speculative_config: a dict or vLLM-style JSON string (see README).
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        dtype: str = "auto",
+        device: str = "auto",
+        speculative_config: dict | str | None = None,
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
+        seed: int = 0,
+    ):
+        model_dir = Path(model) if model is not None else default_model_dir()
+        if not model_dir.is_dir():
+            raise ModelLoadError(f"model directory {model_dir} does not exist")
+        self.config = EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
+                                   max_model_len=max_model_len, seed=seed)
+        self.device = self.config.torch_device()
+        self.dtype = self.config.torch_dtype()
+        self.tokenizer = Tokenizer(model_dir)
+        self.model = load_model(model_dir, self.dtype, self.device)
+        self.model_config = self.model.config
+        self.tokenizer.check_fits(self.model_config.vocab_size)
+        self.max_model_len = min(max_model_len or self.model_config.max_position_embeddings,
+                                 self.model_config.max_position_embeddings)
+        self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device)
+        self.scheduler = Scheduler(max_num_seqs, self.tokenizer)
+        self.eos_token_ids = tuple(dict.fromkeys(
+            self.model_config.eos_token_ids + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())))
+        torch.manual_seed(seed)
+        self._request_counter = itertools.count()
+        self.stats = SpecStats()  # aggregate over finished requests
+        from specdecode.spec.speculator import build_speculator
+
+        self.speculator = build_speculator(speculative_config, self)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise InvalidRequestError("prompt_token_ids must be a list of integers")
+            return prompt.get("prompt"), list(ids)
+        raise InvalidRequestError("a prompt is a string or a dict {'prompt_token_ids': [...]}")
+
+    def _make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
+        """Validate a request and build its Sequence (nothing is queued yet)."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError("sampling_params must be a SamplingParams")
+        text, ids = self._prompt_ids(prompt)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError("the prompt is empty: at least one token is needed")
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise InvalidRequestError(f"prompt token ids must lie in [0, {vocab}); got {min(ids)}..{max(ids)}")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
+                "and at least one must be left for the output")
+        request_id = request_id if request_id is not None else str(next(self._request_counter))
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(params.seed)
+        return Sequence(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
+                        eos_token_ids=self.eos_token_ids, max_len=self.max_model_len, generator=generator)
+
+    def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
+        seq = self._make_sequence(prompt, params, request_id)
+        self.scheduler.add(seq)
+        return seq.request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.scheduler.abort(request_id)
+        if seq is not None and self.speculator is not None:
+            self.speculator.release(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        new_tokens = self._execute(batch)
+        return self._postprocess(batch, new_tokens)
+
+    def _execute(self, batch: ScheduledBatch) -> list[list[int]]:
+        if batch.prefill:
+            return self._prefill(batch.prefill)
+        if not batch.decode:
+            return []
+        if self.speculator is not None:
+            return self.speculator.step(batch.decode)
+        return self._decode(batch.decode)
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device)
+
+    def _prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+        entries = [ForwardEntry(s.slot, s.prompt_token_ids, start=0) for s in seqs]
+        result = self.runner.forward(entries, hidden_taps=self.speculator.hidden_taps if self.speculator else ())
+        tokens = sample(result.logits[:, 0], self._sampling_batch(seqs)).tolist()
+        for s in seqs:
+            s.num_cached = len(s.prompt_token_ids)
+        if self.speculator is not None:
+            self.speculator.on_prefill(seqs, result)
+        return [[t] for t in tokens]
+
+    def _decode(self, seqs: list[Sequence]) -> list[list[int]]:
+        entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
+        result = self.runner.forward(entries)
+        tokens = sample(result.logits[:, 0], self._sampling_batch(seqs)).tolist()
+        for s in seqs:
+            s.num_cached += 1
+        return [[t] for t in tokens]
+
+    def _postprocess(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> list[RequestOutput]:
+        outputs = []
+        for seq, tokens in zip(batch.prefill or batch.decode, new_tokens):
+            self.scheduler.append_tokens(seq, tokens)
+            if seq.is_finished:
+                self.stats.merge(seq.stats)
+                if self.speculator is not None:
+                    self.speculator.release(seq)
+            outputs.append(self.output_of(seq))
+        return outputs
+
+    def output_of(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_token_ids)
+        if seq.stop_text_len is not None:
+            text = text[: seq.stop_text_len]
+        return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids),
+                             seq.is_finished, seq.finish_reason, RequestMetrics.from_sequence(seq))
+
+    # ---- offline batch API --------------------------------------------------------------------
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; results come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise InvalidRequestError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
+        # Validate every prompt before any is queued: one bad prompt must not leave others half-run.
+        seqs = [self._make_sequence(p, sp, f"gen-{next(self._request_counter)}") for p, sp in zip(prompts, sampling_params)]
+        for seq in seqs:
+            self.scheduler.add(seq)
+        ids = [seq.request_id for seq in seqs]
+        finished: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generate", unit="req")
+        wanted = set(ids)
+        while wanted - finished.keys():
+            for out in self.step():
+                if out.finished and out.request_id in wanted:
+                    finished[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [finished[i] for i in ids]

@@ -1,0 +1,112 @@
+"""Continuous batching in plain Python: admission into KV slots, finishing, stop checks.
+
+Memory is bounded by construction: the cache has `num_slots` rows of `max_len` columns and
+each running sequence owns one row, so a request that finds no free slot waits in the
+queue; nothing is evicted, nothing is corrupted. A step is either a prefill of newly
+admitted sequences or a decode (plain or speculative) of all running ones.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from specdecode.engine.sequence import Sequence, SequenceStatus
+from specdecode.tokenizer import Tokenizer
+
+
+@dataclasses.dataclass(slots=True)
+class ScheduledBatch:
+    prefill: list[Sequence]  # newly admitted: their whole prompt goes through the target
+    decode: list[Sequence]  # running: one decode (or speculative) step each
+
+    @property
+    def empty(self) -> bool:
+        return not self.prefill and not self.decode
+
+
+class Scheduler:
+    def __init__(self, num_slots: int, tokenizer: Tokenizer):
+        self.num_slots = num_slots
+        self.tokenizer = tokenizer
+        self.waiting: collections.deque[Sequence] = collections.deque()
+        self.running: list[Sequence] = []
+        self.free_slots = list(range(num_slots))  # kept sorted: low slots first keeps batches contiguous
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        admitted = []
+        while self.waiting and self.free_slots:
+            seq = self.waiting.popleft()
+            seq.slot = self.free_slots.pop(0)
+            seq.status = SequenceStatus.RUNNING
+            admitted.append(seq)
+        if admitted:
+            self.running.extend(admitted)
+            self.running.sort(key=lambda s: s.slot)
+            return ScheduledBatch(prefill=admitted, decode=[])
+        return ScheduledBatch(prefill=[], decode=list(self.running))
+
+    def append_tokens(self, seq: Sequence, new_token_ids: list[int]) -> list[int]:
+        """Append tokens one by one until a stop condition; returns the tokens kept."""
+        kept = []
+        if seq.first_token_time is None and new_token_ids:
+            seq.first_token_time = time.perf_counter()
+        for token in new_token_ids:
+            seq.output_token_ids.append(token)
+            kept.append(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                break
+        return kept
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        if params.stop:
+            text = self.tokenizer.decode(seq.output_token_ids)
+            # Only the tail can newly contain a stop string: search the last few characters.
+            window = max(len(s) for s in params.stop) + 16
+            for stop in params.stop:
+                at = text.find(stop, max(0, len(text) - window))
+                if at != -1:
+                    seq.stop_text_len = at
+                    return "stop"
+        if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.max_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot is not None:
+            self.free_slots.append(seq.slot)
+            self.free_slots.sort()
+            seq.slot = None
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                self.finish(seq, "abort")
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None

@@ -1,0 +1,63 @@
+"""One request's state: tokens, status, KV slot, per-request metrics. Plain Python, no tensors."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+
+import torch
+
+from specdecode.config import SamplingParams
+from specdecode.spec.metrics import SpecStats
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(slots=True)
+class Sequence:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_len: int  # prompt + output may not exceed this (KV slot size)
+    output_token_ids: list[int] = dataclasses.field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None
+    # Tokens whose K/V is in the target cache. Invariant between steps: every token but the
+    # last one (which the next forward feeds) is cached, i.e. num_cached == num_tokens - 1.
+    num_cached: int = 0
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_text_len: int | None = None  # text is cut here when a stop string matched
+    stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    drafter_state: dict = dataclasses.field(default_factory=dict)  # a proposer's per-request bookkeeping
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def room(self) -> int:
+        """How many more tokens this sequence may still produce."""
+        return min(self.params.max_tokens - len(self.output_token_ids), self.max_len - self.num_tokens)

@@ -1,0 +1,266 @@
+"""The one transformer definition: Llama, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+Parameter names follow Hugging Face (`model.layers.N.self_attn.q_proj.weight`, ...), so an HF
+checkpoint loads with a plain `load_state_dict`. Drafters (EAGLE, MTP, DFlash, ...) reuse
+`DecoderLayer`, `RMSNorm` and `RotaryEmbedding` from here instead of copying them.
+
+One forward serves three callers:
+- training: no cache, causal attention over the given tokens (or a custom mask);
+- prefill / decode / speculative verify: a ragged batch writes its new K/V into a
+  `KVCache` at per-token cache indices and attends through an explicit boolean mask, so a
+  sequence may bring 1 token (decode), 1 + k (chain verify) or a whole tree (tree mask);
+- hidden-state taps: the states of chosen layers come back from the same forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 like HF, then cast back: bf16 variance is too coarse.
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif rope_type == "llama3":
+        # Llama 3.1: long wavelengths slowed by `factor`, short ones kept, smooth in between.
+        factor = scaling["factor"]
+        low_freq_factor = scaling.get("low_freq_factor", 1.0)
+        high_freq_factor = scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", _rope_inv_freq(config), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
+        freqs = positions[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D]; rotate-half convention (HF / Llama)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+@dataclasses.dataclass(slots=True)
+class AttentionBatch:
+    """How the new tokens of one forward meet the KV cache. Built by the runner.
+
+    With `slot_ids` None there is no cache: attention runs over the new tokens alone,
+    causal unless `attn_mask` is given (training, drafters' block masks).
+    """
+
+    attn_mask: torch.Tensor | None  # [B, 1, T, S] bool, True = query may see key
+    slot_ids: torch.Tensor | None = None  # [B] cache row of each sequence
+    write_indices: torch.Tensor | None = None  # [B, T] cache column each new token's K/V goes to
+    num_keys: int = 0  # S: cache columns [0, S) are read
+    slot_range: tuple[int, int] | None = None  # slots are the contiguous rows [a, b): slice, no gather
+
+
+class KVCache:
+    """Static cache: per layer K and V of shape [num_slots, max_len + 1, num_kv_heads, head_dim].
+
+    A sequence owns one slot (row). Its length lives with the sequence, not here, so rolling
+    back k tokens is setting a length: stale columns past it are masked out and overwritten
+    later. Column `max_len` is scratch space where padding tokens of a ragged batch write.
+    """
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+        shape = (num_slots, max_len + 1, config.num_key_value_heads, config.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+
+    @property
+    def scratch_index(self) -> int:
+        return self.max_len
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    def copy_columns(self, slot_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Move cache columns src [B, n] -> dst [B, n] per slot (tree path compaction)."""
+        rows = slot_ids[:, None]
+        for cache in self.k + self.v:
+            cache[rows, dst] = cache[rows, src]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, h, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
+        self.q_proj = nn.Linear(d, h * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d, kvh * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d, kvh * hd, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(h * hd, d, bias=config.o_bias)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(hd, config.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [B, T, d]
+        cos: torch.Tensor,  # [B, T, 1, head_dim]
+        sin: torch.Tensor,
+        batch: AttentionBatch | None,
+        cache_k: torch.Tensor | None,  # [slots, max_len + 1, kv_heads, head_dim]
+        cache_v: torch.Tensor | None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        mask = batch.attn_mask if batch is not None else None
+        if cache_k is not None:
+            rows = batch.slot_ids[:, None]  # [B, 1]
+            cache_k[rows, batch.write_indices] = k
+            cache_v[rows, batch.write_indices] = v
+            S = batch.num_keys
+            if batch.slot_range is not None:
+                a, b = batch.slot_range
+                k, v = cache_k[a:b, :S], cache_v[a:b, :S]  # views, no copy
+            else:
+                k, v = cache_k[batch.slot_ids, :S], cache_v[batch.slot_ids, :S]
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),  # [B, H, T, D]
+            k.transpose(1, 2),  # [B, KVH, S, D]
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=self.num_heads != self.num_kv_heads,
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        d, f = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
+        self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, batch=None, cache_k=None, cache_v=None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache_k, cache_v)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+
+
+@dataclasses.dataclass(slots=True)
+class ForwardOutput:
+    hidden: torch.Tensor  # [B, T, d] after the final norm: feed to `compute_logits`
+    taps: dict[int, torch.Tensor]  # layer index -> [B, T, d] (HF hidden_states numbering)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,  # [B, T]
+        positions: torch.Tensor,  # [B, T] RoPE positions
+        batch: AttentionBatch | None = None,
+        kv_cache: KVCache | None = None,
+        hidden_taps: tuple[int, ...] = (),
+        inputs_embeds: torch.Tensor | None = None,  # [B, T, d], instead of input_ids
+    ) -> ForwardOutput:
+        """Run the stack. `hidden_taps` uses HF's hidden_states numbering: 0 is the embedding
+        output, i is the output of layer i-1 (the input of layer i), L the last layer's
+        output before the final norm. Taps cost no extra forward."""
+        x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.model.rotary_emb(positions, x.dtype)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in hidden_taps:
+                taps[i] = x
+            if kv_cache is None:
+                x = layer(x, cos, sin, batch)
+            else:
+                x = layer(x, cos, sin, batch, kv_cache.k[i], kv_cache.v[i])
+        if len(self.model.layers) in hidden_taps:
+            taps[len(self.model.layers)] = x
+        return ForwardOutput(self.model.norm(x), taps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., d] -> logits [..., vocab] in float32 (sampling needs the precision)."""
+        return self.lm_head(hidden).float()
+
+    def num_parameters(self) -> int:
+        seen, total = set(), 0
+        for p in self.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        return total

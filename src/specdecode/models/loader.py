@@ -1,0 +1,74 @@
+"""Load an HF checkpoint directory (config.json + safetensors, single or sharded) -> model.
+
+No `transformers` at run time: the config is read by ModelConfig, the weights by
+`safetensors`, and the module is built on the meta device and filled with `assign=True`
+(no double allocation, no random init of a model about to be overwritten).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import ModelLoadError
+from specdecode.models.config import ModelConfig
+from specdecode.models.llama import LlamaForCausalLM
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    """All tensors of model.safetensors, or of the shards named by model.safetensors.index.json."""
+    from safetensors.torch import load_file
+
+    single = path / "model.safetensors"
+    index = path / "model.safetensors.index.json"
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ModelLoadError(f"{index} is not a valid safetensors index: {e}") from None
+        files = [path / name for name in sorted(set(weight_map.values()))]
+    else:
+        raise ModelLoadError(
+            f"no weights in {path}: expected model.safetensors or model.safetensors.index.json "
+            "(PyTorch .bin checkpoints are not loaded: they need unpickling)"
+        )
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not f.is_file():
+            raise ModelLoadError(f"weight shard {f} is missing")
+        try:
+            state.update(load_file(str(f)))
+        except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
+            raise ModelLoadError(f"{f} is corrupt or truncated: {e}") from None
+    return state
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+    path = Path(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {path} does not exist")
+    config = ModelConfig.from_dir(path)
+    state = read_safetensors_dir(path)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    expected = set(model.state_dict().keys())
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+        expected.discard("lm_head.weight")
+    missing = sorted(expected - state.keys())
+    if missing:
+        raise ModelLoadError(f"{path} lacks {len(missing)} weights the config needs, e.g. {missing[:3]}")
+    for name, param in model.state_dict().items():
+        if name in state and tuple(state[name].shape) != tuple(param.shape):
+            raise ModelLoadError(f"weight {name} has shape {tuple(state[name].shape)}, config implies {tuple(param.shape)}")
+    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    # Non-persistent buffers (RoPE frequencies) are still on meta: rebuild them for real.
+    model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,3 @@
+"""Built-in proposers; importing this package registers them by method name."""
+
+from specdecode.spec.drafters import draft_model, ngram  # noqa: F401

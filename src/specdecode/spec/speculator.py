@@ -1,0 +1,114 @@
+"""One speculative step for a batch: propose, verify in one target forward, commit.
+
+    draft    = proposer.propose(seqs)                  # [B, k] tokens, maybe probs
+    logits   = target([last token, drafts...])          # one ragged forward, 1 + n_b tokens each
+    verified = verify(draft, logits, sampling)          # accepted + recovered/bonus per row
+    commit: each sequence's cache length becomes num_cached + 1 + accepted; rejected
+            columns are simply overwritten later (rollback = a length).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdecode.config import SpeculativeConfig
+from specdecode.engine.runner import ForwardEntry, ForwardResult
+from specdecode.engine.sequence import Sequence
+from specdecode.sampling import SamplingBatch
+from specdecode.spec.depth import DraftLengthPolicy
+from specdecode.spec.proposer import PROPOSERS, Draft, ProposerContext
+from specdecode.spec.verify import verify
+
+if TYPE_CHECKING:
+    from specdecode.engine.engine import LLM
+
+log = logging.getLogger(__name__)
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, llm: "LLM"):
+        import specdecode.spec.drafters  # noqa: F401  (registers the built-in proposers)
+
+        self.config = config
+        self.llm = llm
+        ctx = ProposerContext(config=config, target=llm.model, target_dir=llm.config.model, tokenizer=llm.tokenizer,
+                              num_slots=llm.config.max_num_seqs, max_len=llm.max_model_len, dtype=llm.dtype, device=llm.device)
+        self.proposer = PROPOSERS[config.method](ctx)
+        self.depth = DraftLengthPolicy(config)
+        self.k = config.num_speculative_tokens
+
+    @property
+    def hidden_taps(self) -> tuple[int, ...]:
+        return self.proposer.hidden_taps
+
+    def on_prefill(self, seqs: list[Sequence], result: ForwardResult) -> None:
+        self.proposer.on_prefill(seqs, result)
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
+
+    def step(self, seqs: list[Sequence]) -> list[list[int]]:
+        runner, device = self.llm.runner, self.llm.device
+        sampling = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], device)
+        limits = self.depth.limits(seqs)
+
+        t0 = time.perf_counter()
+        if max(limits) > 0:
+            draft = self.proposer.propose(seqs, limits, sampling)
+            num_tokens = self.depth.apply_n_min(draft.num_tokens.tolist())
+            draft = draft.truncate([min(n, lim) for n, lim in zip(num_tokens, limits)])
+        else:
+            draft = Draft.empty(len(seqs), device)
+        num_draft = draft.num_tokens.tolist()  # one host sync: entry lengths are host-side
+        t1 = time.perf_counter()
+
+        drafts_host = draft.token_ids.tolist()
+        entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
+                                num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
+        result = runner.forward(entries, hidden_taps=self.hidden_taps)
+        # Fixed width k: per-request random draws do not depend on the rest of the batch.
+        draft = _pad_draft(draft, self.k)
+        logits = _pad_logits(result.logits, self.k + 1)
+        verified = verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling)
+        num_accepted = verified.num_accepted.tolist()
+        tokens = verified.token_ids.tolist()
+        t2 = time.perf_counter()
+
+        self.proposer.on_commit(seqs, draft, verified, result)
+        self.depth.update(seqs, num_draft, num_accepted)
+        out = []
+        for b, seq in enumerate(seqs):
+            seq.num_cached += 1 + num_accepted[b]
+            seq.stats.observe(num_draft[b], num_accepted[b])
+            seq.stats.draft_time += (t1 - t0) / len(seqs)
+            seq.stats.verify_time += (t2 - t1) / len(seqs)
+            out.append(tokens[b][: num_accepted[b] + 1])
+        return out
+
+
+def _pad_draft(draft: Draft, k: int) -> Draft:
+    B, width = draft.token_ids.shape
+    if width == k:
+        return draft
+    pad = k - width
+    token_ids = torch.nn.functional.pad(draft.token_ids, (0, pad), value=-1)
+    probs = None
+    if draft.probs is not None:
+        probs = torch.nn.functional.pad(draft.probs, (0, 0, 0, pad))
+    confidence = None if draft.confidence is None else torch.nn.functional.pad(draft.confidence, (0, pad))
+    return Draft(token_ids, draft.num_tokens, probs, confidence)
+
+
+def _pad_logits(logits: torch.Tensor, width: int) -> torch.Tensor:
+    if logits.shape[1] == width:
+        return logits
+    return torch.nn.functional.pad(logits, (0, 0, 0, width - logits.shape[1]))
+
+
+def build_speculator(config: SpeculativeConfig | dict | str | None, llm: "LLM") -> Speculator | None:
+    parsed = SpeculativeConfig.parse(config)
+    return None if parsed is None else Speculator(parsed, llm)

@@ -1,0 +1,112 @@
+"""Lossless verification of a chain draft: a pure function, no model code.
+
+Vocabulary (used throughout specdecode):
+- **target**: the model whose distribution p must be reproduced exactly.
+- **draft tokens** x_1..x_k: the drafter's guesses for one step, with draft distribution q.
+- **accepted**: draft tokens the verifier keeps. Greedy: x_i is accepted while it equals the
+  target's argmax. Sampling: x_i is accepted with probability min(1, p(x_i) / q(x_i)).
+- **recovered**: at the first rejected position, a token sampled from
+  norm(max(0, p - q)); the step ends there.
+- **bonus**: when all k drafts are accepted, one more token sampled from the target's
+  distribution after the last draft.
+A step therefore commits num_accepted + 1 tokens. This is the rule of Leviathan et al.,
+"Fast Inference from Transformers via Speculative Decoding" (ICML 2023) and Chen et al.,
+"Accelerating LLM Decoding with Speculative Sampling" (2023); its output distribution
+equals the target's. When a drafter chose its tokens deterministically (n-gram, argmax),
+q is one-hot: acceptance probability is p(x) and the residual is p with x removed.
+
+p and q are the *processed* distributions (temperature, top-k, top-p), computed by the
+same `process_logits` that non-speculative sampling uses.
+
+Shapes are fixed and padded with -1 so the batch stays ragged without Python loops over
+tokens: every row b has its own num_draft[b] <= k.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+
+
+@dataclasses.dataclass(slots=True)
+class Verified:
+    token_ids: torch.Tensor  # [B, k + 1] committed tokens per row, padded with -1
+    num_accepted: torch.Tensor  # [B] accepted draft tokens; row b commits num_accepted[b] + 1 tokens
+
+
+def _uniform(rows: int, cols: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    u = torch.rand(rows, cols, device=device)
+    for row, gen in enumerate(generators):
+        if gen is not None:
+            u[row] = torch.rand(cols, device=device, generator=gen)
+    return u
+
+
+def verify(
+    draft_token_ids: torch.Tensor,  # [B, k] int64, -1 padded
+    num_draft: torch.Tensor,  # [B] int64
+    draft_probs: torch.Tensor | None,  # [B, k, V] processed q, or None for one-hot drafts
+    target_logits: torch.Tensor,  # [B, k + 1, V] float32 at [last token, x_1 .. x_k]
+    sampling: SamplingBatch,  # one row per sequence
+) -> Verified:
+    B, k = draft_token_ids.shape
+    device = target_logits.device
+    positions = torch.arange(k, device=device)[None, :]  # [1, k]
+    in_draft = positions < num_draft[:, None]  # [B, k]
+    safe_drafts = draft_token_ids.clamp(min=0)
+
+    # Greedy rule: accept while the draft equals the target's argmax; the token at the first
+    # mismatch (or after the last draft) is the target's argmax there.
+    target_argmax = target_logits.argmax(dim=-1)  # [B, k + 1]
+    greedy_ok = (draft_token_ids == target_argmax[:, :k]) & in_draft
+    greedy_accepted = greedy_ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+    if sampling.all_greedy:
+        return _assemble(draft_token_ids, greedy_accepted, target_argmax.gather(1, greedy_accepted[:, None])[:, 0])
+
+    # Sampling rule (rows with temperature > 0).
+    V = target_logits.shape[-1]
+    rows = sampling.repeat_rows([k + 1] * B)
+    p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
+    p_draft = p[:, :k].gather(2, safe_drafts[:, :, None])[:, :, 0]  # [B, k] p(x_i)
+    if draft_probs is None:
+        q_draft = torch.ones_like(p_draft)
+    else:
+        q_draft = draft_probs.gather(2, safe_drafts[:, :, None])[:, :, 0]  # [B, k] q(x_i)
+    u = _uniform(B, k, sampling.generators, device)
+    accept = (u * q_draft < p_draft) & in_draft  # u < p/q without dividing by q
+    sampled_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
+
+    # Distribution of the final token: the residual at the first rejection, else p (bonus).
+    if draft_probs is None:
+        q_full = torch.zeros_like(p[:, :k]).scatter_(2, safe_drafts[:, :, None], 1.0)
+    else:
+        q_full = draft_probs
+    residual = (p[:, :k] - q_full).clamp(min=0)  # [B, k, V]
+    residual = torch.cat([residual, torch.zeros_like(p[:, :1])], dim=1)  # [B, k + 1, V]
+    at = sampled_accepted[:, None, None].expand(B, 1, V)
+    residual_at = residual.gather(1, at)[:, 0]  # [B, V]
+    p_at = p.gather(1, at)[:, 0]
+    rejected = (sampled_accepted < num_draft)[:, None]
+    mass = residual_at.sum(dim=-1, keepdim=True)
+    # p == q exactly makes rejection impossible in theory; guard the float-rounding case.
+    final_dist = torch.where(rejected & (mass > 0), residual_at / mass.clamp(min=1e-30), p_at)
+    noise = exponential_noise(B, V, sampling.generators, device)
+    final_token = (final_dist / noise).argmax(dim=-1)
+
+    greedy_row = sampling.temperature == 0
+    num_accepted = torch.where(greedy_row, greedy_accepted, sampled_accepted)
+    greedy_final = target_argmax.gather(1, greedy_accepted[:, None])[:, 0]
+    return _assemble(draft_token_ids, num_accepted, torch.where(greedy_row, greedy_final, final_token))
+
+
+def _assemble(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> Verified:
+    """[accepted drafts..., final token, -1 ...] per row."""
+    B, k = draft_token_ids.shape
+    cols = torch.arange(k + 1, device=draft_token_ids.device)[None, :]
+    padded = torch.cat([draft_token_ids, torch.full_like(draft_token_ids[:, :1], -1)], dim=1)
+    out = torch.where(cols < num_accepted[:, None], padded, torch.full_like(padded, -1))
+    out = torch.where(cols == num_accepted[:, None], final_token[:, None], out)
+    return Verified(out, num_accepted)

@@ -1,0 +1,95 @@
+"""Tiny random models and tokenizers built in-test (never downloaded)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TEXT = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+'''
+
+VOCAB = 320
+
+
+def make_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
+    from specdecode.train.corpus import SourceFile
+    from specdecode.train.tokenizer_train import save_tokenizer, train_tokenizer
+
+    tok = train_tokenizer([SourceFile("a.py", TEXT * 3)], vocab_size)
+    save_tokenizer(tok, out, 256)
+
+
+FAMILIES = {
+    "llama": dict(model_type="llama", architectures=["LlamaForCausalLM"]),
+    "mistral": dict(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=None),
+    "qwen2": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"]),
+    "qwen3": dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"]),
+}
+
+
+def make_hf_model(out: Path, family: str = "llama", seed: int = 0, tie: bool = False, layers: int = 2,
+                  hidden: int = 64, heads: int = 4, kv_heads: int = 2, max_pos: int = 256, **extra) -> Path:
+    """A random transformers model saved with save_pretrained, plus a tokenizer."""
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg_kwargs = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                      tie_word_embeddings=tie, eos_token_id=0, pad_token_id=1, rope_theta=10000.0)
+    cfg_kwargs.update({k: v for k, v in FAMILIES[family].items() if k not in ("model_type", "architectures")})
+    if family == "qwen3":
+        cfg_kwargs["head_dim"] = hidden // heads
+    cfg_kwargs.update(extra)
+    config_cls = transformers.AutoConfig.for_model(FAMILIES[family]["model_type"], **cfg_kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config_cls)
+    # Random init is near-uniform; scale up so argmaxes are decisive (no float ties).
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+            elif "bias" in str(p.shape):
+                pass
+    model.save_pretrained(out, safe_serialization=True)
+    make_tokenizer(out)
+    return out
+
+
+def make_native_model(out: Path, seed: int = 0, layers: int = 2, hidden: int = 64, vocab: int = VOCAB, max_pos: int = 256) -> Path:
+    """A random specdecode model saved in HF layout without transformers (fast)."""
+    from safetensors.torch import save_file
+
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.llama import LlamaForCausalLM
+
+    cfg = ModelConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=hidden // 4, max_position_embeddings=max_pos,
+                      tie_word_embeddings=False, eos_token_id=0)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    make_tokenizer(out, vocab)
+    return out

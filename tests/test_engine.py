@@ -1,0 +1,135 @@
+"""Batching, KV-cache rollback, sampling and request validation on tiny random models."""
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.errors import ConfigError, InvalidRequestError
+from specdecode.models.loader import load_model
+from specdecode.sampling import SamplingBatch, process_logits
+
+PROMPTS = [[5, 17, 99], [8, 200, 31, 77, 150, 3, 12, 64, 9], [42], [100, 101, 102, 103, 104, 105]]
+
+
+def test_batch_equals_each_prompt_alone(native_model):
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    together = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params)
+    for prompt, out in zip(PROMPTS, together):
+        alone = llm.generate({"prompt_token_ids": prompt}, params)[0]
+        assert out.token_ids == alone.token_ids
+        assert out.prompt_token_ids == prompt
+
+
+def test_more_requests_than_slots_wait_and_finish(native_model):
+    llm = LLM(native_model, dtype="float32", max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS * 2], params)
+    assert [len(o.token_ids) for o in outs] == [8] * 8
+    assert outs[0].token_ids == outs[4].token_ids
+
+
+def test_rollback_is_setting_a_length(native_model):
+    model = load_model(native_model, torch.float32)
+    runner = Runner(model, num_slots=1, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    prefix = [5, 17, 99, 42]
+    runner.forward([ForwardEntry(0, prefix, start=0)])
+    # Decode 3 tokens that will be "rejected"...
+    runner.forward([ForwardEntry(0, [7, 8, 9], start=4, num_logits=3)])
+    # ... roll back to length 4 by writing from column 4 again: same logits as never decoding them.
+    rolled = runner.forward([ForwardEntry(0, [11, 12], start=4, num_logits=2)]).logits
+    fresh = Runner(model, num_slots=1, max_len=64, dtype=torch.float32, device=torch.device("cpu"))
+    fresh.forward([ForwardEntry(0, prefix, start=0)])
+    clean = fresh.forward([ForwardEntry(0, [11, 12], start=4, num_logits=2)]).logits
+    torch.testing.assert_close(rolled, clean, rtol=0, atol=0)
+
+
+def test_seeded_sampling_is_independent_of_batch(native_model):
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4)
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=1234, ignore_eos=True)
+    alone = llm.generate({"prompt_token_ids": PROMPTS[1]}, seeded)[0].token_ids
+    others = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, ignore_eos=True)
+    mixed = llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]},
+                          {"prompt_token_ids": PROMPTS[2]}], [others, seeded, others])
+    assert mixed[1].token_ids == alone
+    other_seed = llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=1.0, max_tokens=16, seed=99, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_top_k_and_top_p_masks():
+    logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
+    batch = SamplingBatch.build([SamplingParams(top_k=2), SamplingParams(top_p=0.8), SamplingParams(top_p=0.3)],
+                                [None] * 3, "cpu")
+    probs = process_logits(logits, batch)
+    torch.testing.assert_close(probs[0], torch.tensor([0.5, 0.2, 0, 0, 0]) / 0.7)
+    # top_p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so 0.15 is needed too; the rest is cut.
+    torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
+    torch.testing.assert_close(probs[2], torch.tensor([1.0, 0, 0, 0, 0]))
+
+
+def test_temperature_zero_is_exact_argmax(native_model):
+    llm = LLM(native_model, dtype="float32")
+    a = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    b = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, seed=3))
+    assert a[0].token_ids == b[0].token_ids
+
+
+def test_stop_strings_stop_ids_and_max_tokens(native_model):
+    llm = LLM(native_model, dtype="float32")
+    base = llm.generate({"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 30
+    stop_text = base.text[10:13]
+    assert stop_text
+    stopped = llm.generate({"prompt_token_ids": PROMPTS[1]},
+                           SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop_text]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.text == base.text[: base.text.find(stop_text)]
+    stop_id = base.token_ids[5]
+    by_id = llm.generate({"prompt_token_ids": PROMPTS[1]},
+                         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop_token_ids=[stop_id]))[0]
+    assert by_id.token_ids == base.token_ids[: base.token_ids.index(stop_id) + 1]
+
+
+def test_eos_stops_unless_ignored(native_model):
+    llm = LLM(native_model, dtype="float32")
+    base = llm.generate({"prompt_token_ids": PROMPTS[3]}, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))[0]
+    # Make EOS the 4th generated token by declaring it EOS for this engine.
+    llm.eos_token_ids = (base.token_ids[3],)
+    out = llm.generate({"prompt_token_ids": PROMPTS[3]}, SamplingParams(temperature=0, max_tokens=40))[0]
+    assert out.finish_reason == "stop" and out.token_ids == base.token_ids[: base.token_ids.index(base.token_ids[3]) + 1]
+
+
+def test_context_limit_and_bad_requests(native_model):
+    llm = LLM(native_model, dtype="float32", max_model_len=32)
+    with pytest.raises(InvalidRequestError, match="context is 32"):
+        llm.generate({"prompt_token_ids": list(range(3, 35))}, SamplingParams(max_tokens=4))
+    out = llm.generate({"prompt_token_ids": list(range(3, 28))}, SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 7
+    with pytest.raises(InvalidRequestError, match="empty"):
+        llm.generate({"prompt_token_ids": []})
+    with pytest.raises(InvalidRequestError, match=r"\[0, 320\)"):
+        llm.generate({"prompt_token_ids": [5, 999]})
+    for bad in (dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-3), dict(max_tokens=0)):
+        with pytest.raises(InvalidRequestError, match=list(bad)[0]):
+            SamplingParams(**bad)
+    with pytest.raises(ConfigError, match="dtype"):
+        LLM(native_model, dtype="int3")
+    # A bad prompt in a batch is rejected before any prompt runs.
+    with pytest.raises(InvalidRequestError):
+        llm.generate([{"prompt_token_ids": [5, 6]}, {"prompt_token_ids": []}])
+    assert not llm.has_unfinished()
+
+
+def test_text_prompts_and_chat_template(native_model):
+    llm = LLM(native_model, dtype="float32")
+    out = llm.generate("def fib", SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("def fib") and len(out.token_ids) == 5
+    chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi\nthere"}])
+    assert chat == "# user: hi\n# there\n"
+
+
+def test_bfloat16_runs(native_model):
+    llm = LLM(native_model, dtype="bfloat16")
+    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8

@@ -1,0 +1,114 @@
+"""Parity with transformers: same checkpoint, same logits, same greedy output."""
+
+import json
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
+from specdecode.models.loader import load_model
+
+FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "llama-tied", "llama3-rope"]
+
+
+def _hf(path):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_transformers_prefill_and_decode(hf_models, family):
+    path = hf_models[family]
+    hf = _hf(path)
+    ours = load_model(path, torch.float32)
+    runner = Runner(ours, num_slots=2, max_len=128, dtype=torch.float32, device=torch.device("cpu"))
+    ids = torch.randint(3, 320, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]  # [24, V]
+    # Prefill the first 16 tokens, then decode the rest one at a time through the cache.
+    out = runner.forward([ForwardEntry(1, ids[0, :16].tolist(), start=0, num_logits=16)])
+    torch.testing.assert_close(out.logits[0], ref[:16], atol=1e-4, rtol=1e-4)
+    for t in range(16, 24):
+        out = runner.forward([ForwardEntry(1, [int(ids[0, t])], start=t)])
+        torch.testing.assert_close(out.logits[0, 0], ref[t], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "llama-tied"])
+def test_greedy_generation_matches_transformers(hf_models, family):
+    path = hf_models[family]
+    hf = _hf(path)
+    llm = LLM(path, dtype="float32")
+    prompt = [5, 17, 99, 42, 7]
+    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=1)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+    assert out.token_ids == ref[0, len(prompt):].tolist()
+
+
+def test_hidden_taps_equal_transformers_hidden_states(hf_models):
+    path = hf_models["llama"]
+    hf = _hf(path)
+    ours = load_model(path, torch.float32)
+    ids = torch.randint(3, 320, (1, 10))
+    with torch.no_grad():
+        ref = hf(ids, output_hidden_states=True).hidden_states
+        out = ours(ids, torch.arange(10)[None], hidden_taps=(0, 1, 2))
+    for layer in (0, 1):
+        torch.testing.assert_close(out.taps[layer], ref[layer], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.model.norm(out.taps[2]), ref[2], atol=1e-5, rtol=1e-5)
+
+
+def test_sharded_checkpoint_loads(hf_models, tmp_path):
+    import transformers
+
+    hf = _hf(hf_models["llama"])
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((hf_models["llama"] / name).read_bytes())
+    a = load_model(tmp_path, torch.float32)
+    b = load_model(hf_models["llama"], torch.float32)
+    for (ka, va), (kb, vb) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb)
+
+
+def test_missing_and_corrupt_checkpoints(native_model, tmp_path):
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        LLM(tmp_path / "nope")
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        (broken / name).write_bytes((native_model / name).read_bytes())
+    with pytest.raises(ModelLoadError, match="no weights"):
+        load_model(broken)
+    (broken / "model.safetensors").write_bytes((native_model / "model.safetensors").read_bytes()[:1000])
+    with pytest.raises(ModelLoadError, match="corrupt"):
+        load_model(broken)
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ModelLoadError, match="not valid JSON"):
+        load_model(broken)
+
+
+def test_unsupported_architecture_and_tokenizer_mismatch(native_model, tmp_path):
+    cfg = json.loads((native_model / "config.json").read_text())
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    for name in ("model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        (odd / name).write_bytes((native_model / name).read_bytes())
+    (odd / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
+    with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'.*accepted"):
+        LLM(odd)
+    (odd / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+    with pytest.raises(UnsupportedModelError, match="yarn"):
+        LLM(odd)
+    # A model whose vocabulary is smaller than its tokenizer's.
+    from helpers import make_native_model
+
+    small = make_native_model(tmp_path / "small", vocab=300)
+    from helpers import make_tokenizer
+
+    make_tokenizer(small, 320)
+    with pytest.raises(TokenizerMismatchError, match="vocab_size is 300"):
+        LLM(small)
