@@ -1,0 +1,218 @@
+"""Speculative decoding: losslessness (greedy equality, sampling distribution), depth knobs, config errors."""
+
+import json
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams, SpeculativeConfig
+from specdecode.errors import ConfigError, TokenizerMismatchError
+from specdecode.sampling import SamplingBatch, process_logits
+from specdecode.spec.drafters.ngram import find_continuation
+from specdecode.spec.verify import verify
+
+PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3, 12, 64, 9], [42], [100, 101, 102, 103, 104, 105]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _reference(model, prompts, params=GREEDY):
+    return [o.token_ids for o in LLM(model, dtype="float32").generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+def _spec_outputs(model, config, prompts, params=GREEDY, max_num_seqs=4):
+    llm = LLM(model, dtype="float32", speculative_config=config, max_num_seqs=max_num_seqs)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_equals_plain_decoding(native_model, k):
+    ref = _reference(native_model, PROMPTS)
+    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    outs = _spec_outputs(native_model, config, PROMPTS)
+    assert [o.token_ids for o in outs] == ref
+    for prompt, ref_ids in zip(PROMPTS, ref):  # batch 1
+        assert _spec_outputs(native_model, config, [prompt], max_num_seqs=1)[0].token_ids == ref_ids
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("config_extra", [{}, {"draft_p_min": 0.1}, {"draft_n_min": 2}, {"draft_length_schedule": "heuristic"}])
+def test_draft_model_greedy_equals_plain_decoding(native_model, native_drafter, config_extra):
+    ref = _reference(native_model, PROMPTS)
+    config = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 4, **config_extra}
+    outs = _spec_outputs(native_model, config, PROMPTS)
+    assert [o.token_ids for o in outs] == ref
+    # A random drafter is mostly wrong: this exercises full rejections.
+    assert sum(o.metrics.num_accepted_tokens for o in outs) < sum(o.metrics.num_draft_tokens for o in outs)
+    single = _spec_outputs(native_model, config, [PROMPTS[1]], max_num_seqs=1)[0]
+    assert single.token_ids == ref[1]
+
+
+def test_drafter_equal_to_target_accepts_everything(native_model):
+    k = 4
+    config = {"method": "draft_model", "model": str(native_model), "num_speculative_tokens": k}
+    params = SamplingParams(temperature=0, max_tokens=31, ignore_eos=True)
+    outs = _spec_outputs(native_model, config, PROMPTS, params)
+    assert [o.token_ids for o in outs] == _reference(native_model, PROMPTS, params)
+    for o in outs:
+        assert o.metrics.acceptance_rate == 1.0
+        assert o.metrics.mean_acceptance_length == pytest.approx(k + 1, abs=0.5)  # the last step may be cut short
+    # Sampled: the same model on both sides accepts (almost) every token too.
+    sampled = _spec_outputs(native_model, config, PROMPTS, SamplingParams(temperature=1.0, max_tokens=31, seed=5, ignore_eos=True))
+    assert all(o.metrics.acceptance_rate > 0.95 for o in sampled)
+
+
+def test_ngram_all_accepted_on_repetition(native_model):
+    # A prompt that repeats itself and a model that continues a loop: lookup keeps up.
+    ref = _reference(native_model, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+    out = _spec_outputs(native_model, config, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+    assert out.token_ids == ref
+
+
+def test_find_continuation_prefers_longest_latest_match():
+    import numpy as np
+
+    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3])
+    assert find_continuation(tokens, 1, 3, 3) == [4, 5, 7]  # [2, 3] matched latest at index 5
+    assert find_continuation(np.array([1, 2, 3]), 1, 3, 3) == []
+
+
+def test_p_min_and_n_min_shape_the_drafts(native_model, native_drafter):
+    base = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 4}
+    plain = _spec_outputs(native_model, base, PROMPTS)
+    strict = _spec_outputs(native_model, {**base, "draft_p_min": 0.9}, PROMPTS)
+    assert sum(o.metrics.num_draft_tokens for o in strict) < sum(o.metrics.num_draft_tokens for o in plain)
+    n_min = _spec_outputs(native_model, {**base, "draft_p_min": 0.3, "draft_n_min": 3}, PROMPTS)
+    for o in n_min:  # every draft that ran had at least 3 tokens
+        assert o.metrics.num_draft_tokens >= 3 * o.metrics.num_drafts
+
+
+# ---- the verifier's output distribution ----------------------------------------------------
+
+V = 6
+N = 200_000
+
+
+def _tv(samples: torch.Tensor, probs: torch.Tensor) -> float:
+    freq = torch.bincount(samples, minlength=V).double() / len(samples)
+    return 0.5 * (freq - probs.double()).abs().sum().item()
+
+
+def _setup(seed=0, temperature=1.0, top_k=0, top_p=1.0):
+    g = torch.Generator().manual_seed(seed)
+    target_logits = torch.randn(3, V, generator=g) * 1.5  # positions 0..2 (k = 2)
+    draft_logits = torch.randn(2, V, generator=g) * 1.5
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    one = SamplingBatch.build([params], [None], "cpu")
+    p = process_logits(target_logits, one.repeat_rows([3]))  # [3, V]
+    q = process_logits(draft_logits, one.repeat_rows([2]))  # [2, V]
+    batch = SamplingBatch.build([params] * N, [None] * N, "cpu")
+    return target_logits.expand(N, 3, V), p, q, batch
+
+
+def _check_distribution(out, p):
+    first = out.token_ids[:, 0]
+    assert _tv(first, p[0]) < 0.01
+    # Given x1 accepted, the second committed token follows the target at position 1.
+    second = out.token_ids[out.num_accepted >= 1, 1]
+    assert _tv(second, p[1]) < 0.015
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)])
+def test_rejection_sampling_reproduces_target_distribution(filters):
+    torch.manual_seed(0)
+    target_logits, p, q, batch = _setup(**filters)
+    drafts = torch.stack([torch.multinomial(q[i], N, replacement=True) for i in range(2)], dim=1)  # [N, 2] x ~ q
+    out = verify(drafts, torch.full((N,), 2), q.expand(N, 2, V), target_logits, batch)
+    assert 0.5 * (p[0] - q[0]).abs().sum() > 0.1  # drafter and target really differ
+    _check_distribution(out, p)
+    # Acceptance of the first draft is 1 - TV(p, q).
+    assert (out.num_accepted >= 1).double().mean().item() == pytest.approx(1 - 0.5 * (p[0] - q[0]).abs().sum().item(), abs=0.01)
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(temperature=0.8, top_k=3)])
+def test_one_hot_drafts_reproduce_target_distribution(filters):
+    torch.manual_seed(1)
+    target_logits, p, q, batch = _setup(seed=3, **filters)
+    # Deterministic drafter: always the target's second choice, so accept and reject both happen.
+    drafts = p[:2].argsort(dim=-1, descending=True)[:, 1][None, :].expand(N, 2)
+    out = verify(drafts, torch.full((N,), 2), None, target_logits, batch)
+    _check_distribution(out, p)
+    # Plugging a softmax q in for tokens chosen deterministically is NOT exact: it must show.
+    wrong = verify(drafts, torch.full((N,), 2), q.expand(N, 2, V), target_logits, batch)
+    assert _tv(wrong.token_ids[:, 0], p[0]) > 0.03
+
+
+def test_ragged_rows_and_greedy_rows_in_one_batch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 4, 10, generator=g)
+    argmax = logits.argmax(-1)
+    drafts = torch.stack([argmax[0, :3], torch.tensor([argmax[1, 0], (argmax[1, 1] + 1) % 10, 0]), torch.tensor([5, -1, -1])])
+    batch = SamplingBatch.build([SamplingParams(temperature=0)] * 3, [None] * 3, "cpu")
+    out = verify(drafts, torch.tensor([3, 3, 0]), None, logits, batch)
+    assert out.num_accepted.tolist() == [3, 1, 0]
+    assert out.token_ids[0].tolist() == argmax[0].tolist()  # all accepted + bonus
+    assert out.token_ids[1].tolist() == [argmax[1, 0].item(), argmax[1, 1].item(), -1, -1]  # recovered at 1
+    assert out.token_ids[2].tolist() == [argmax[2, 0].item(), -1, -1, -1]  # no draft: plain decode
+
+
+def test_seeded_verification_is_reproducible():
+    target_logits, p, q, _ = _setup()
+    drafts = torch.tensor([[1, 2]] * 8)
+    runs = []
+    for _ in range(2):
+        gens = [torch.Generator().manual_seed(i) for i in range(8)]
+        batch = SamplingBatch.build([SamplingParams(temperature=1.0)] * 8, gens, "cpu")
+        runs.append(verify(drafts, torch.full((8,), 2), q.expand(8, 2, V), target_logits[:8], batch).token_ids)
+    assert torch.equal(runs[0], runs[1])
+
+
+def test_sampled_speculation_matches_plain_sampling_statistically(native_model, native_drafter):
+    """End to end: first generated token's distribution with and without speculation."""
+    prompt = {"prompt_token_ids": [8, 200, 31]}
+    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(300)]
+    config = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 3}
+    plain = LLM(native_model, dtype="float32", max_num_seqs=16).generate([prompt] * 300, params)
+    spec = LLM(native_model, dtype="float32", max_num_seqs=16, speculative_config=config).generate([prompt] * 300, params)
+    # Third token (the first one decided by verification) has the same distribution: compare
+    # the frequency of the most common value.
+    from collections import Counter
+
+    a, b = Counter(o.token_ids[2] for o in plain), Counter(o.token_ids[2] for o in spec)
+    top = a.most_common(1)[0][0]
+    assert abs(a[top] - b[top]) / 300 < 0.12
+
+
+# ---- configuration errors -----------------------------------------------------------------
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "prompt_lookup_max"),
+    ({"method": "ngram", "draft_p_min": 1.5}, "draft_p_min"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_n_min": 3}, "draft_n_min"),
+    ({"method": "ngram", "draft_length_schedule": "fast"}, "draft_length_schedule"),
+    ({"method": "ngram", "typo_key": 1}, "typo_key.*accepted keys"),
+    ({"method": "telepathy"}, "telepathy.*accepted"),
+    ({"num_speculative_tokens": 2}, "method"),
+    ("{not json", "not valid JSON"),
+])
+def test_bad_speculative_configs(config, message):
+    with pytest.raises(ConfigError, match=message):
+        SpeculativeConfig.parse(config)
+
+
+def test_config_from_json_string():
+    cfg = SpeculativeConfig.parse(json.dumps({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}))
+    assert cfg.num_speculative_tokens == 3 and cfg.prompt_lookup_max == 4
+
+
+def test_drafter_must_match_target(native_model, tmp_path):
+    from helpers import make_native_model
+
+    with pytest.raises(ConfigError, match="model is required"):
+        LLM(native_model, dtype="float32", speculative_config={"method": "draft_model"})
+    with pytest.raises(ConfigError, match="not a checkpoint"):
+        LLM(native_model, dtype="float32", speculative_config={"method": "draft_model", "model": str(tmp_path)})
+    other = make_native_model(tmp_path / "other", vocab=256)
+    with pytest.raises(TokenizerMismatchError, match="vocab_size"):
+        LLM(native_model, dtype="float32", speculative_config={"method": "draft_model", "model": str(other)})
