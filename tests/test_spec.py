@@ -216,3 +216,16 @@ def test_drafter_must_match_target(native_model, tmp_path):
     other = make_native_model(tmp_path / "other", vocab=256)
     with pytest.raises(TokenizerMismatchError, match="vocab_size"):
         LLM(native_model, dtype="float32", speculative_config={"method": "draft_model", "model": str(other)})
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_seeded_speculative_sampling_is_independent_of_batch(native_model, native_drafter, method):
+    config = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
+    if method == "draft_model":
+        config["model"] = str(native_drafter)
+    seeded = SamplingParams(temperature=1.0, max_tokens=20, seed=77, ignore_eos=True)
+    alone = _spec_outputs(native_model, config, [PROMPTS[0]], seeded, max_num_seqs=1)[0].token_ids
+    others = SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)
+    llm = LLM(native_model, dtype="float32", speculative_config=config, max_num_seqs=4)
+    mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [seeded, others, others, others])
+    assert mixed[0].token_ids == alone

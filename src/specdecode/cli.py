@@ -116,12 +116,86 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_train_drafter(sub) -> None:
+    p = sub.add_parser("train-drafter", help="train a drafter for a target model (default: the embedded model)",
+                       description="Train a drafter against the target's own distribution (soft labels computed "
+                       "on the fly on the stdlib corpus), then export it in HF layout next to the target.")
+    p.add_argument("--method", required=True, choices=["draft_model"], help="which drafter to train")
+    p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
+    p.add_argument("--out", default=None, help="export dir (default: models/<target>-<method suffix>)")
+    p.add_argument("--work-dir", default=None, help="checkpoints (default: runs/train-drafter-<method>)")
+    p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--max-steps", type=int, default=600)
+    p.add_argument("--batch-size", type=int, default=4, help="windows per step")
+    p.add_argument("--context", type=int, default=1024, help="window length in tokens")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--layers", type=int, default=2, help="draft_model: decoder layers")
+    p.add_argument("--intermediate-size", type=int, default=512, help="draft_model: MLP width")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=_run_train_drafter)
+
+
+def _run_train_drafter(args) -> int:
+    import json
+    from pathlib import Path
+
+    from specdecode.defaults import default_model_dir
+    from specdecode.train.drafter import DrafterTrainConfig, train_drafter
+
+    target = Path(args.target) if args.target else default_model_dir()
+    suffix = {"draft_model": "draft"}[args.method]
+    cfg = DrafterTrainConfig(
+        method=args.method, target=target, out_dir=args.out or target.parent / f"{target.name}-{suffix}",
+        work_dir=args.work_dir or Path("runs") / f"train-drafter-{args.method}", max_steps=args.max_steps,
+        batch_size=args.batch_size, context=args.context, lr=args.lr, seed=args.seed,
+        checkpoint_minutes=args.checkpoint_minutes, device=args.device, num_layers=args.layers,
+        intermediate_size=args.intermediate_size,
+    )
+    print(json.dumps(train_drafter(cfg, resume=args.resume), indent=2))
+    return 0
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark methods side by side (speedup vs plain decoding in the same run)",
+                       description="Run plain decoding and each speculative method on the same model and prompts, "
+                       "write results.json and results.md to --out, and print the table.")
+    p.add_argument("--methods", default="none,ngram,draft_model",
+                   help="comma-separated: none, a method name, name:k=4;prompt_lookup_max=3, or a JSON object")
+    p.add_argument("--prompts", default="humaneval", help="humaneval, or a JSONL file with a 'prompt' field per line")
+    p.add_argument("--num-prompts", type=int, default=20, help="first N prompts of the set (0 = all)")
+    p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored: equal work)")
+    p.add_argument("--concurrency", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
+    p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,0.8")
+    p.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
+    p.add_argument("--seed", type=int, default=0)
+    _add_model_args(p, speculative=False)
+    p.set_defaults(func=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from pathlib import Path
+
+    from specdecode.bench.harness import BenchConfig, parse_methods, run_bench, markdown_table
+
+    cfg = BenchConfig(methods=parse_methods(args.methods), model=args.model, prompts=args.prompts,
+                      num_prompts=args.num_prompts or None, max_tokens=args.max_tokens,
+                      concurrency=[int(c) for c in args.concurrency.split(",")],
+                      temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
+                      device=args.device, seed=args.seed, out_dir=Path(args.out))
+    print(markdown_table(run_bench(cfg)))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_train_target(sub)
+    _add_train_drafter(sub)
+    _add_bench(sub)
     return parser
 
 

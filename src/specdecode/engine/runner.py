@@ -35,36 +35,35 @@ class ForwardResult:
 
 
 def build_attention(entries: list[ForwardEntry], scratch: int, sliding_window: int | None, device) -> tuple:
-    """input_ids [B, T], positions [B, T], AttentionBatch for a ragged batch."""
+    """input_ids [B, T], positions [B, T], AttentionBatch for a ragged batch (vectorised;
+    only tree entries and custom positions touch their own rows)."""
     B = len(entries)
-    T = max(len(e.token_ids) for e in entries)
-    S = max(e.start + len(e.token_ids) for e in entries)
-    input_ids = torch.zeros(B, T, dtype=torch.long)
-    positions = torch.zeros(B, T, dtype=torch.long)
-    write = torch.full((B, T), scratch, dtype=torch.long)
-    mask = torch.zeros(B, 1, T, S, dtype=torch.bool)
-    mask[:, :, :, 0] = True  # padding rows see column 0 only
+    num_new = torch.tensor([len(e.token_ids) for e in entries])  # [B]
+    starts = torch.tensor([e.start for e in entries])  # [B]
+    T = int(num_new.max())
+    S = int((starts + num_new).max())
+    input_ids = torch.tensor([e.token_ids + [0] * (T - len(e.token_ids)) for e in entries], dtype=torch.long)
+    t = torch.arange(T)
+    real = t[None, :] < num_new[:, None]  # [B, T]
+    cols = starts[:, None] + t[None, :]  # [B, T] cache column of each new token
+    positions = cols.clone()
     key_cols = torch.arange(S)
+    # Chain rule: token t sees every column up to its own; padding rows see column 0 only.
+    mask = key_cols[None, None, :] <= cols[:, :, None]  # [B, T, S]
     for b, e in enumerate(entries):
         n = len(e.token_ids)
-        cols = torch.arange(e.start, e.start + n)
-        input_ids[b, :n] = torch.tensor(e.token_ids)
-        pos = torch.tensor(e.positions) if e.positions is not None else cols
-        positions[b, :n] = pos
-        write[b, :n] = cols
-        # Every new token sees the committed prefix [0, start) ...
-        rows = key_cols[None, :] < e.start  # [1, S]
-        # ... and, among the new tokens, itself and its ancestors (chain: all earlier ones).
-        among = e.tree_mask if e.tree_mask is not None else torch.ones(n, n, dtype=torch.bool).tril()
-        m = rows.expand(n, S).clone()
-        m[:, e.start:e.start + n] = among
-        if sliding_window is not None:
-            m &= key_cols[None, :] > (pos[:, None] - sliding_window)
-        mask[b, 0, :n] = m
+        if e.positions is not None:
+            positions[b, :n] = torch.tensor(e.positions)
+        if e.tree_mask is not None:  # among the new tokens: itself and its ancestors only
+            mask[b, :n, e.start:e.start + n] = e.tree_mask
+    if sliding_window is not None:
+        mask &= key_cols[None, None, :] > (positions[:, :, None] - sliding_window)
+    mask = torch.where(real[:, :, None], mask, key_cols[None, None, :] == 0)
+    write = torch.where(real, cols, torch.full_like(cols, scratch))
     slots = [e.slot for e in entries]
     contiguous = slots == list(range(slots[0], slots[0] + B))
     batch = AttentionBatch(
-        attn_mask=mask.to(device),
+        attn_mask=mask[:, None].to(device),  # [B, 1, T, S]
         slot_ids=torch.tensor(slots, device=device),
         write_indices=write.to(device),
         num_keys=S,
@@ -89,12 +88,10 @@ class Runner:
         # LM head only where logits are needed: the last num_logits real tokens of each entry.
         num_new = [len(e.token_ids) for e in entries]
         N = max(e.num_logits for e in entries)
-        index = torch.zeros(len(entries), N, dtype=torch.long)
-        for b, e in enumerate(entries):
-            first = num_new[b] - e.num_logits
-            index[b, : e.num_logits] = torch.arange(first, num_new[b])
-            index[b, e.num_logits:] = num_new[b] - 1
-        index = index.to(self.device)
+        num_new_t = torch.tensor(num_new)[:, None]
+        num_logits = torch.tensor([e.num_logits for e in entries])[:, None]
+        # Row b: tokens [T_b - num_logits_b, T_b), then repeats of its last token as padding.
+        index = torch.minimum(num_new_t - num_logits + torch.arange(N)[None, :], num_new_t - 1).to(self.device)
         hidden_sel = torch.gather(out.hidden, 1, index[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
         logits = self.model.compute_logits(hidden_sel)  # [B, N, V]
         return ForwardResult(logits, out.hidden, out.taps, num_new)

@@ -18,10 +18,10 @@ import torch
 from specdecode.config import SpeculativeConfig
 from specdecode.engine.runner import ForwardEntry, ForwardResult
 from specdecode.engine.sequence import Sequence
-from specdecode.sampling import SamplingBatch
+from specdecode.sampling import SamplingBatch, sample
 from specdecode.spec.depth import DraftLengthPolicy
 from specdecode.spec.proposer import PROPOSERS, Draft, ProposerContext
-from specdecode.spec.verify import verify
+from specdecode.spec.verify import Verified, uniform_draws, verify
 
 if TYPE_CHECKING:
     from specdecode.engine.engine import LLM
@@ -70,10 +70,15 @@ class Speculator:
         entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
                                 num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
         result = runner.forward(entries, hidden_taps=self.hidden_taps)
-        # Fixed width k: per-request random draws do not depend on the rest of the batch.
-        draft = _pad_draft(draft, self.k)
-        logits = _pad_logits(result.logits, self.k + 1)
-        verified = verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling)
+        draft = _pad_draft(draft, self.k)  # fixed width k: per-request random draws never depend on the batch
+        if max(num_draft) == 0:
+            # Nothing to verify: sample as plain decoding does, without the verifier's [B, k+1, V] work.
+            # The seeded rows still draw their k uniforms, so their random streams stay batch-independent.
+            uniform_draws(len(seqs), self.k, sampling.generators, device)
+            final = sample(result.logits[:, 0], sampling)
+            verified = Verified(final[:, None], torch.zeros_like(final))
+        else:
+            verified = verify(draft.token_ids, draft.num_tokens, draft.probs, _pad_logits(result.logits, self.k + 1), sampling)
         num_accepted = verified.num_accepted.tolist()
         tokens = verified.token_ids.tolist()
         t2 = time.perf_counter()

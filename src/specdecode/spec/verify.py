@@ -37,7 +37,7 @@ class Verified:
     num_accepted: torch.Tensor  # [B] accepted draft tokens; row b commits num_accepted[b] + 1 tokens
 
 
-def _uniform(rows: int, cols: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+def uniform_draws(rows: int, cols: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
     u = torch.rand(rows, cols, device=device)
     for row, gen in enumerate(generators):
         if gen is not None:
@@ -75,7 +75,7 @@ def verify(
         q_draft = torch.ones_like(p_draft)
     else:
         q_draft = draft_probs.gather(2, safe_drafts[:, :, None])[:, :, 0]  # [B, k] q(x_i)
-    u = _uniform(B, k, sampling.generators, device)
+    u = uniform_draws(B, k, sampling.generators, device)
     accept = (u * q_draft < p_draft) & in_draft  # u < p/q without dividing by q
     sampled_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
 

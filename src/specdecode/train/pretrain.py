@@ -25,6 +25,7 @@ from tqdm import tqdm
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import LlamaForCausalLM
 from specdecode.train import corpus
+from specdecode.train.common import Checkpointer, cosine_lr, sample_windows, tokenize_corpus
 from specdecode.train.tokenizer_train import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -85,47 +86,17 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def _tokenize_split(tok, files: list[corpus.SourceFile], eos_id: int) -> np.ndarray:
-    ids: list[int] = []
-    for enc in tok.encode_batch([f.text for f in files]):
-        ids.extend(enc.ids)
-        ids.append(eos_id)  # documents are separated by end-of-text
-    return np.asarray(ids, dtype=np.uint16)
-
-
 def prepare_data(cfg: PretrainConfig):
-    """Tokenizer + token arrays, cached in work_dir so a resume does not redo them."""
+    """Tokenizer (trained on the train split) + token arrays, cached in work_dir for --resume."""
     from tokenizers import Tokenizer
 
     tok_dir = cfg.work_dir / "tokenizer"
-    cache = cfg.work_dir / "tokens.npz"
-    if (tok_dir / "tokenizer.json").is_file() and cache.is_file():
-        tok = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
-        data = np.load(cache)
-        return tok, data["train"], data["val"]
-    files = corpus.iter_stdlib_files()
-    train_files, val_files = corpus.split_files(files)
-    log.info("corpus: %d files (%d train, %d validation)", len(files), len(train_files), len(val_files))
-    tok = train_tokenizer(train_files, cfg.vocab_size)
-    save_tokenizer(tok, tok_dir, cfg.context)
-    eos_id = tok.token_to_id(EOS_TOKEN)
-    train, val = _tokenize_split(tok, train_files, eos_id), _tokenize_split(tok, val_files, eos_id)
-    np.savez(cache, train=train, val=val)
-    return tok, train, val
-
-
-def lr_at(cfg: PretrainConfig, step: int) -> float:
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * cosine)
-
-
-def sample_windows(tokens: np.ndarray, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
-    """[batch, context + 1] random windows (inputs and shifted targets)."""
-    starts = torch.randint(0, len(tokens) - context - 1, (batch,), generator=gen).tolist()
-    return torch.from_numpy(np.stack([tokens[s : s + context + 1].astype(np.int64) for s in starts]))
+    if not (tok_dir / "tokenizer.json").is_file():
+        train_files, val_files = corpus.split_files(corpus.iter_stdlib_files())
+        log.info("corpus: %d train files, %d validation files", len(train_files), len(val_files))
+        save_tokenizer(train_tokenizer(train_files, cfg.vocab_size), tok_dir, cfg.context)
+    train, val = tokenize_corpus(tok_dir / "tokenizer.json", cfg.work_dir / "tokens.npz")
+    return Tokenizer.from_file(str(tok_dir / "tokenizer.json")), train, val
 
 
 def lm_loss(model: LlamaForCausalLM, window: torch.Tensor) -> torch.Tensor:
@@ -169,33 +140,20 @@ def train(cfg: PretrainConfig, resume: bool = False) -> dict:
         lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    step, elapsed = 0, 0.0
-    ckpt_path = cfg.work_dir / "checkpoint.pt"
-    if resume and ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location=device, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        data_gen.set_state(state["data_rng"])
-        step, elapsed = int(state["step"]), float(state["elapsed"])
+    ckpt = Checkpointer(cfg.work_dir / "checkpoint.pt")
+    step = ckpt.load(model, opt, data_gen, device) if resume else 0
+    if step:
         log.info("resumed from step %d", step)
-
-    def save_checkpoint() -> None:
-        tmp = ckpt_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "data_rng": data_gen.get_state(),
-                    "step": step, "elapsed": elapsed + time.time() - t_start}, tmp)
-        tmp.replace(ckpt_path)  # atomic: a crash mid-save never leaves a broken checkpoint
-
     tokens_per_step = cfg.batch_size * cfg.context
-    t_start = time.time()
-    last_ckpt = t_start
     history = []
     bar = tqdm(total=cfg.max_steps, initial=step, desc="train-target", unit="step", dynamic_ncols=True)
     model.train()
     while step < cfg.max_steps:
         t0 = time.time()
+        lr = cosine_lr(step, cfg.max_steps, cfg.warmup_steps, cfg.lr, cfg.min_lr_ratio)
         for group in opt.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        window = sample_windows(train_tokens, cfg.batch_size, cfg.context, data_gen).to(device)
+            group["lr"] = lr
+        window = sample_windows(train_tokens, cfg.batch_size, cfg.context + 1, data_gen).to(device)
         with torch.autocast(device.type, dtype=autocast_dtype):
             loss = lm_loss(model, window)
         opt.zero_grad(set_to_none=True)
@@ -206,14 +164,12 @@ def train(cfg: PretrainConfig, resume: bool = False) -> dict:
         loss_value = loss.item()
         history.append((step, loss_value))
         bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr_at(cfg, step - 1):.2e}",
-                        tok_s=f"{tokens_per_step / (time.time() - t0):.0f}")
-        if time.time() - last_ckpt > cfg.checkpoint_minutes * 60:
-            save_checkpoint()
-            last_ckpt = time.time()
+        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / (time.time() - t0):.0f}")
+        if ckpt.due(cfg.checkpoint_minutes):
+            ckpt.save(model, opt, data_gen, step)
     bar.close()
-    save_checkpoint()
-    wall = elapsed + time.time() - t_start
+    ckpt.save(model, opt, data_gen, step)
+    wall = ckpt.elapsed()
     val_loss = evaluate(model, val_tokens, cfg, device, autocast_dtype)
     report = {
         "steps": step,

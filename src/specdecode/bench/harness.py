@@ -1,0 +1,176 @@
+"""`specdecode bench`: every method side by side on the same model and prompts, in one run.
+
+For each temperature and concurrency, plain decoding (`none`) runs first and is the
+baseline; every method then runs the same prompts with the same sampling parameters.
+Speedup = method tokens/s / baseline tokens/s measured in this run. At temperature 0 each
+output is also compared with the baseline's, token for token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from specdecode.bench.prompts import load_prompts
+from specdecode.config import SamplingParams, SpeculativeConfig
+from specdecode.engine.engine import LLM
+from specdecode.errors import ConfigError
+from specdecode.spec.metrics import SpecStats
+
+
+@dataclasses.dataclass(slots=True)
+class MethodSpec:
+    label: str
+    config: dict | None  # None = plain decoding
+
+    @classmethod
+    def parse(cls, text: str) -> "MethodSpec":
+        """`none`, `ngram`, `draft_model:k=3`, `ngram:k=4,prompt_lookup_max=3` or a JSON object."""
+        text = text.strip()
+        if text == "none":
+            return cls("none", None)
+        if text.startswith("{"):
+            config = json.loads(text)
+            label = config.get("method", "?") + "".join(f" {k}={v}" for k, v in config.items() if k != "method")
+            SpeculativeConfig.parse(config)
+            return cls(label, config)
+        name, _, args = text.partition(":")
+        config: dict = {"method": name}
+        for item in filter(None, args.split(";")):
+            key, _, value = item.partition("=")
+            key = {"k": "num_speculative_tokens"}.get(key, key)
+            config[key] = json.loads(value) if value[:1] in "0123456789.-[{\"tf" else value
+        SpeculativeConfig.parse(config)  # fail now, not after an hour of baseline
+        return cls(text, config)
+
+
+@dataclasses.dataclass(slots=True)
+class BenchConfig:
+    methods: list[MethodSpec]
+    model: str | None = None
+    prompts: str = "humaneval"
+    num_prompts: int = 20
+    max_tokens: int = 128
+    concurrency: list[int] = dataclasses.field(default_factory=lambda: [1])
+    temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0])
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    out_dir: Path = Path("bench_out")
+
+
+def machine_info(llm: LLM) -> dict:
+    import specdecode
+
+    return {
+        "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+        "cpu_count": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
+        "specdecode": specdecode.__version__, "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+    }
+
+
+def run_one(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[float, list]:
+    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (allocations, caches)
+    llm.stats = SpecStats()  # count only the measured requests
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return time.perf_counter() - start, outs
+
+
+def run_bench(cfg: BenchConfig) -> dict:
+    prompts = load_prompts(cfg.prompts, cfg.num_prompts)
+    if cfg.methods[0].config is not None:
+        cfg.methods.insert(0, MethodSpec("none", None))  # the baseline always runs, first
+    runs = []
+    total = len(cfg.temperatures) * len(cfg.concurrency) * len(cfg.methods)
+    bar = tqdm(total=total, desc="bench", unit="run")
+    info = None
+    for temperature in cfg.temperatures:
+        # Seeds per prompt: sampled runs draw the same way for every method.
+        params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, ignore_eos=True,
+                                 seed=None if temperature == 0 else cfg.seed + i) for i in range(len(prompts))]
+        for concurrency in cfg.concurrency:
+            baseline = None
+            for method in cfg.methods:
+                bar.set_postfix(method=method.label, T=temperature, c=concurrency)
+                llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
+                          max_num_seqs=concurrency, seed=cfg.seed)
+                info = info or machine_info(llm)
+                wall, outs = run_one(llm, prompts, params)
+                num_tokens = sum(len(o.token_ids) for o in outs)
+                record = {
+                    "method": method.label, "config": method.config, "temperature": temperature,
+                    "concurrency": concurrency, "num_prompts": len(prompts), "output_tokens": num_tokens,
+                    "wall_seconds": round(wall, 4), "tokens_per_second": round(num_tokens / wall, 2),
+                }
+                if method.config is None:
+                    baseline = (record, outs)
+                    record["speedup"] = 1.0
+                else:
+                    agg = llm.stats  # merged over this run's finished requests
+                    record.update({
+                        "speedup": round(record["tokens_per_second"] / baseline[0]["tokens_per_second"], 3),
+                        "acceptance_rate": round(agg.acceptance_rate, 4),
+                        "mean_acceptance_length": round(agg.mean_acceptance_length, 3),
+                        "per_position_acceptance": [round(x, 3) for x in agg.per_position_acceptance],
+                        "num_drafts": agg.num_drafts, "num_draft_tokens": agg.num_draft_tokens,
+                        "num_accepted_tokens": agg.num_accepted_tokens,
+                        "draft_time_fraction": round(agg.draft_time / wall, 3) if concurrency == 1 else None,
+                        "verify_time_fraction": round(agg.verify_time / wall, 3) if concurrency == 1 else None,
+                    })
+                if temperature == 0 and baseline is not None:
+                    same = sum(o.token_ids == b.token_ids for o, b in zip(outs, baseline[1]))
+                    record["outputs_equal_to_plain"] = f"{same}/{len(outs)}"
+                runs.append(record)
+                bar.update(1)
+    bar.close()
+    result = {"machine": info, "model": str(cfg.model or "default"), "prompts": cfg.prompts,
+              "num_prompts": len(prompts), "max_tokens": cfg.max_tokens, "runs": runs}
+    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    (cfg.out_dir / "results.md").write_text(markdown_table(result))
+    return result
+
+
+def markdown_table(result: dict) -> str:
+    m = result["machine"]
+    lines = [
+        f"Model `{result['model']}`, {result['num_prompts']} `{result['prompts']}` prompts, "
+        f"{result['max_tokens']} new tokens each; {m['device']} {m['dtype']}, torch {m['torch']}, "
+        f"{m['cpu_count']} threads, {m['processor']}.", "",
+        "| method | T | concurrency | tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | draft / verify time | = plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["runs"]:
+        per_pos = ", ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", []))
+        split = (f"{r['draft_time_fraction']:.0%} / {r['verify_time_fraction']:.0%}"
+                 if r.get("draft_time_fraction") is not None else "")
+        lines.append(
+            f"| {r['method']} | {r['temperature']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | "
+            f"{r['speedup']:.2f}x | {r.get('acceptance_rate', 0):.1%} | {r.get('mean_acceptance_length', 1):.2f} | "
+            f"{per_pos} | {split} | {r.get('outputs_equal_to_plain', '')} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """Comma-separated method specs; options of one method are separated by ';'."""
+    parts, depth, current = [], 0, ""
+    for ch in text:  # split on commas outside JSON braces
+        depth += {"{": 1, "}": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    parts.append(current)
+    try:
+        return [MethodSpec.parse(part) for part in parts if part.strip()]
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--methods: {e}") from None

@@ -1,0 +1,87 @@
+"""Pieces every training job shares: schedule, data windows, corpus tokens, checkpoints."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def cosine_lr(step: int, max_steps: int, warmup_steps: int, peak: float, min_ratio: float) -> float:
+    """Linear warm-up to `peak`, then cosine decay to `peak * min_ratio` at max_steps."""
+    if step < warmup_steps:
+        return peak * (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return peak * (min_ratio + (1 - min_ratio) * cosine)
+
+
+def sample_windows(tokens: np.ndarray, batch: int, length: int, gen: torch.Generator) -> torch.Tensor:
+    """[batch, length] random windows of a token array."""
+    starts = torch.randint(0, len(tokens) - length, (batch,), generator=gen).tolist()
+    return torch.from_numpy(np.stack([tokens[s: s + length].astype(np.int64) for s in starts]))
+
+
+def tokenize_corpus(tokenizer_json: Path, cache: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation) token arrays of the stdlib corpus (train/corpus.py), cached as .npz."""
+    from tokenizers import Tokenizer
+
+    from specdecode.train import corpus
+    from specdecode.train.tokenizer_train import EOS_TOKEN
+
+    if cache.is_file():
+        data = np.load(cache)
+        return data["train"], data["val"]
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    eos = tok.token_to_id(EOS_TOKEN)
+    train_files, val_files = corpus.split_files(corpus.iter_stdlib_files())
+
+    def encode(files):
+        ids: list[int] = []
+        for enc in tok.encode_batch([f.text for f in files]):
+            ids.extend(enc.ids)
+            ids.append(eos)  # documents are separated by end-of-text
+        return np.asarray(ids, dtype=np.uint16 if tok.get_vocab_size() < 65536 else np.int32)
+
+    train, val = encode(train_files), encode(val_files)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    np.savez(cache, train=train, val=val)
+    return train, val
+
+
+class Checkpointer:
+    """Atomic save / load of {model, optimizer, data RNG, step, elapsed} for --resume."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.started = time.time()
+        self.last_save = self.started
+        self.elapsed_before = 0.0
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.time() - self.started
+
+    def load(self, model, optimizer, data_gen: torch.Generator, device) -> int:
+        if not self.path.is_file():
+            return 0
+        state = torch.load(self.path, map_location=device, weights_only=True)
+        model.load_state_dict(state["model"], strict=False)
+        optimizer.load_state_dict(state["optimizer"])
+        data_gen.set_state(state["data_rng"])
+        self.elapsed_before = float(state["elapsed"])
+        return int(state["step"])
+
+    def save(self, model, optimizer, data_gen: torch.Generator, step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        trainable = {k: v for k, v in model.state_dict().items()}
+        torch.save({"model": trainable, "optimizer": optimizer.state_dict(), "data_rng": data_gen.get_state(),
+                    "step": step, "elapsed": self.elapsed()}, tmp)
+        tmp.replace(self.path)  # a crash mid-save never leaves a broken checkpoint
+        self.last_save = time.time()
+
+    def due(self, minutes: float) -> bool:
+        return time.time() - self.last_save > minutes * 60

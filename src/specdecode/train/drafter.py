@@ -1,0 +1,208 @@
+"""`specdecode train-drafter`: train a drafter against a target's own behaviour.
+
+Methods register a `DrafterRecipe` in `RECIPES`; the loop (data windows from the stdlib
+corpus, target soft labels computed on the fly, AdamW + cosine, checkpoints, --resume,
+export, validation agreement) is shared.
+
+draft_model: a 2-layer Llama with the target's width, distilled from the target's logits
+(forward KL = soft cross-entropy against the target distribution). It starts from the
+target itself: the embedding / LM head (tied, frozen: drafts must live in the target's
+vocabulary anyway), the final norm, the attention of target layers 0 and 1, and the
+`intermediate_size` MLP neurons of those layers with the largest output norm. Distillation
+then teaches two layers to imitate six.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specdecode.models.config import ModelConfig
+from specdecode.models.llama import LlamaForCausalLM
+from specdecode.models.loader import load_model
+from specdecode.train.common import Checkpointer, cosine_lr, sample_windows, tokenize_corpus
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class DrafterTrainConfig:
+    method: str
+    target: Path
+    out_dir: Path
+    work_dir: Path
+    max_steps: int = 600
+    batch_size: int = 4
+    context: int = 1024
+    lr: float = 1e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    seed: int = 0
+    checkpoint_minutes: float = 5.0
+    eval_windows: int = 16
+    dtype: str = "bfloat16"  # autocast dtype for target and drafter
+    device: str = "auto"
+    # draft_model shape
+    num_layers: int = 2
+    intermediate_size: int = 512
+
+    def __post_init__(self) -> None:
+        self.target, self.out_dir, self.work_dir = Path(self.target), Path(self.out_dir), Path(self.work_dir)
+        if self.method not in RECIPES:
+            raise ValueError(f"--method {self.method!r} has no trainer; accepted: {', '.join(RECIPES)}")
+
+
+@dataclasses.dataclass(slots=True)
+class DrafterRecipe:
+    build: Callable[[LlamaForCausalLM, DrafterTrainConfig], torch.nn.Module]  # target -> drafter (trainable)
+    logits: Callable[[torch.nn.Module, LlamaForCausalLM, torch.Tensor], torch.Tensor]  # drafter logits [B, T, V]
+    export: Callable[[torch.nn.Module, LlamaForCausalLM, DrafterTrainConfig, dict], None]
+
+
+# ---- draft_model -------------------------------------------------------------------------------
+
+def build_draft_model(target: LlamaForCausalLM, cfg: DrafterTrainConfig) -> LlamaForCausalLM:
+    tc = target.config
+    dc = dataclasses.replace(tc, num_hidden_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size,
+                             tie_word_embeddings=True)
+    drafter = LlamaForCausalLM(dc)
+    with torch.no_grad():
+        drafter.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+        drafter.model.norm.weight.copy_(target.model.norm.weight)
+        for i, layer in enumerate(drafter.model.layers):
+            src = target.model.layers[min(i, tc.num_hidden_layers - 1)]
+            layer.self_attn.load_state_dict(src.self_attn.state_dict())
+            layer.input_layernorm.load_state_dict(src.input_layernorm.state_dict())
+            layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
+            keep = src.mlp.down_proj.weight.norm(dim=0).topk(cfg.intermediate_size).indices  # strongest neurons
+            layer.mlp.gate_proj.weight.copy_(src.mlp.gate_proj.weight[keep])
+            layer.mlp.up_proj.weight.copy_(src.mlp.up_proj.weight[keep])
+            layer.mlp.down_proj.weight.copy_(src.mlp.down_proj.weight[:, keep])
+    drafter.model.embed_tokens.weight.requires_grad_(False)  # tied with the LM head: the target's vocabulary
+    return drafter
+
+
+def draft_model_logits(drafter: LlamaForCausalLM, target: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
+    B, T = inputs.shape
+    out = drafter(inputs, torch.arange(T, device=inputs.device).expand(B, T))
+    return drafter.compute_logits(out.hidden)
+
+
+def export_draft_model(drafter: LlamaForCausalLM, target: LlamaForCausalLM, cfg: DrafterTrainConfig, report: dict) -> None:
+    from safetensors.torch import save_file
+
+    out = cfg.out_dir
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (cfg.target / name).is_file():
+            (out / name).write_bytes((cfg.target / name).read_bytes())
+    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+RECIPES: dict[str, DrafterRecipe] = {
+    "draft_model": DrafterRecipe(build_draft_model, draft_model_logits, export_draft_model),
+}
+
+
+# ---- the shared loop ---------------------------------------------------------------------------
+
+def target_logits(target: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
+    B, T = inputs.shape
+    with torch.no_grad():
+        out = target(inputs, torch.arange(T, device=inputs.device).expand(B, T))
+        return target.compute_logits(out.hidden)
+
+
+def distill_loss(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:
+    """Forward KL(p_target || q_drafter) per token, averaged: soft cross-entropy minus target entropy."""
+    V = student_logits.shape[-1]
+    log_q = F.log_softmax(student_logits.float().reshape(-1, V), dim=-1)
+    log_p = F.log_softmax(teacher_logits.float().reshape(-1, V), dim=-1)
+    return F.kl_div(log_q, log_p, log_target=True, reduction="batchmean")
+
+
+@torch.no_grad()
+def evaluate_agreement(recipe: DrafterRecipe, drafter, target, val: np.ndarray, cfg: DrafterTrainConfig, device, dtype) -> dict:
+    """On fixed validation windows: top-1 agreement with the target (greedy acceptance per
+    token) and mean sum_x min(p, q) = 1 - TV (sampled acceptance per token, METHODS.md 1)."""
+    drafter.eval()
+    n = cfg.eval_windows
+    starts = np.linspace(0, len(val) - cfg.context - 1, n).astype(np.int64)
+    agree, overlap, kl = [], [], []
+    for i in range(0, n, cfg.batch_size):
+        window = torch.from_numpy(np.stack([val[s: s + cfg.context].astype(np.int64) for s in starts[i: i + cfg.batch_size]])).to(device)
+        with torch.autocast(device.type, dtype=dtype):
+            p_logits = target_logits(target, window)
+            q_logits = recipe.logits(drafter, target, window)
+        p, q = p_logits.float().softmax(-1), q_logits.float().softmax(-1)
+        agree.append((p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean().item())
+        overlap.append(torch.minimum(p, q).sum(-1).mean().item())
+        kl.append(distill_loss(q_logits, p_logits).item())
+    drafter.train()
+    return {"val_top1_agreement": float(np.mean(agree)), "val_one_minus_tv": float(np.mean(overlap)),
+            "val_kl": float(np.mean(kl))}
+
+
+def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
+    device = torch.device("cuda" if cfg.device == "auto" and torch.cuda.is_available() else
+                          ("cpu" if cfg.device == "auto" else cfg.device))
+    dtype = getattr(torch, cfg.dtype)
+    recipe = RECIPES[cfg.method]
+    target = load_model(cfg.target, torch.float32, device)
+    train_tokens, val_tokens = tokenize_corpus(cfg.target / "tokenizer.json", cfg.work_dir / "tokens.npz")
+    torch.manual_seed(cfg.seed)
+    drafter = recipe.build(target, cfg).to(device).train()
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    data_gen = torch.Generator().manual_seed(cfg.seed)
+    ckpt = Checkpointer(cfg.work_dir / "checkpoint.pt")
+    step = ckpt.load(drafter, opt, data_gen, device) if resume else 0
+    before = evaluate_agreement(recipe, drafter, target, val_tokens, cfg, device, dtype) if step == 0 else None
+    bar = tqdm(total=cfg.max_steps, initial=step, desc=f"train-drafter {cfg.method}", unit="step", dynamic_ncols=True)
+    losses = []
+    while step < cfg.max_steps:
+        t0 = time.time()
+        lr = cosine_lr(step, cfg.max_steps, cfg.warmup_steps, cfg.lr, cfg.min_lr_ratio)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        window = sample_windows(train_tokens, cfg.batch_size, cfg.context, data_gen).to(device)
+        with torch.autocast(device.type, dtype=dtype):
+            teacher = target_logits(target, window)
+            loss = distill_loss(recipe.logits(drafter, target, window), teacher)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        step += 1
+        losses.append(loss.item())
+        bar.update(1)
+        bar.set_postfix(kl=f"{losses[-1]:.3f}", lr=f"{lr:.2e}",
+                        tok_s=f"{cfg.batch_size * cfg.context / (time.time() - t0):.0f}")
+        if ckpt.due(cfg.checkpoint_minutes):
+            ckpt.save(drafter, opt, data_gen, step)
+    bar.close()
+    ckpt.save(drafter, opt, data_gen, step)
+    after = evaluate_agreement(recipe, drafter, target, val_tokens, cfg, device, dtype)
+    report = {
+        "method": cfg.method, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
+        "wall_seconds": ckpt.elapsed(), "parameters": sum(p.numel() for p in drafter.parameters()),
+        "final_train_kl": float(np.mean(losses[-30:])) if losses else None,
+        "before_training": before, **after,
+    }
+    recipe.export(drafter, target, cfg, report)
+    return report
