@@ -188,6 +188,29 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and speculative decoding",
+                       description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
+                       "Binds to 127.0.0.1 unless --host says otherwise.")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once; more requests queue")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output bound (default: model context)")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model dir name)")
+    p.set_defaults(func=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from specdecode.server.serve import serve
+
+    serve(args.host, args.port, model=args.model, speculative_config=args.speculative_config, dtype=args.dtype,
+          device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+          api_key=args.api_key, served_model_name=args.served_model_name)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -196,6 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_target(sub)
     _add_train_drafter(sub)
     _add_bench(sub)
+    _add_serve(sub)
     return parser
 
 

@@ -1,0 +1,37 @@
+"""`specdecode serve`: build the engine, start its loop, run uvicorn."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from specdecode.engine.engine import LLM
+from specdecode.server.app import build_app
+from specdecode.server.async_engine import AsyncEngine
+from specdecode.server.metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+def create_server(model: str | None = None, speculative_config=None, dtype: str = "auto", device: str = "auto",
+                  max_num_seqs: int = 16, max_model_len: int | None = None, api_key: str | None = None,
+                  served_model_name: str | None = None, log_interval: float = 10.0):
+    """(app, engine): the engine loop is started; the caller serves the app and shuts the engine down."""
+    llm = LLM(model=model, dtype=dtype, device=device, speculative_config=speculative_config,
+              max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    name = served_model_name or Path(llm.config.model).name
+    engine = AsyncEngine(llm, ServerMetrics(name), log_interval=log_interval)
+    engine.start()
+    return build_app(engine, name, api_key=api_key), engine
+
+
+def serve(host: str, port: int, **kwargs) -> None:
+    import uvicorn
+
+    app, engine = create_server(**kwargs)
+    log.info("serving %s on http://%s:%d (speculative: %s)", app.title, host, port,
+             engine.llm.speculator.config.method if engine.llm.speculator else "off")
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info")
+    finally:
+        engine.shutdown()

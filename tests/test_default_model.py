@@ -1,0 +1,57 @@
+"""The embedded default model and its shipped drafters: they load, match transformers, and are the defaults."""
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.bench.prompts import load_prompts
+from specdecode.defaults import default_model_dir, models_dir
+from specdecode.errors import ConfigError
+from specdecode.models.loader import load_model
+
+
+def test_default_model_matches_transformers_logits():
+    import transformers
+
+    path = default_model_dir()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours = load_model(path, torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tok("def fibonacci(n):\n    if n < 2:\n        return n\n").input_ids])
+    with torch.no_grad():
+        ref = hf(ids).logits
+        out = ours.compute_logits(ours(ids, torch.arange(ids.shape[1])[None]).hidden)
+    torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_llm_without_model_uses_the_default_and_writes_python():
+    llm = LLM(dtype="float32")
+    assert llm.config.model == default_model_dir()
+    out = llm.generate("import os\n\n\ndef list_files(path):\n", SamplingParams(temperature=0, max_tokens=24))[0]
+    assert len(out.token_ids) > 0 and out.text.strip()
+
+
+def test_shipped_draft_model_is_lossless_and_accepts():
+    prompts = load_prompts("humaneval", 2)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    plain = LLM(dtype="float32").generate(prompts, params)
+    spec = LLM(dtype="float32", speculative_config={"method": "draft_model", "num_speculative_tokens": 3}).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_accepted_tokens for o in spec) / sum(o.metrics.num_draft_tokens for o in spec) > 0.3
+
+
+def test_missing_shipped_drafter_names_the_fix(tmp_path, monkeypatch):
+    # A models folder holding only the target: the drafter lookup must say how to get one.
+    import shutil
+
+    shutil.copytree(default_model_dir(), tmp_path / default_model_dir().name)
+    monkeypatch.setenv("SPECDECODE_MODELS_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match="train-drafter --method draft_model"):
+        LLM(dtype="float32", speculative_config={"method": "draft_model"})
+    assert models_dir() == tmp_path
+
+
+def test_humaneval_prompt_set():
+    prompts = load_prompts("humaneval")
+    assert len(prompts) == 164 and prompts[0].startswith("from typing import List")
+    assert len(load_prompts("humaneval", 5)) == 5

@@ -1,0 +1,240 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from specdecode import LLM, SamplingParams
+from specdecode.server.serve import create_server
+
+PROMPTS = ["def fib", "class Stack:", "import os", "    return a", "for x in", "self.items"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class RunningServer:
+    def __init__(self, **kwargs):
+        import uvicorn
+
+        self.app, self.engine = create_server(dtype="float32", log_interval=0.5, **kwargs)
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started:
+            assert time.time() < deadline, "server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def client(self, api_key="none"):
+        import openai
+
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def plain_server(native_model):
+    srv = RunningServer(model=str(native_model), max_num_seqs=4, served_model_name="tiny")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def spec_server(native_model, native_drafter):
+    config = json.dumps({"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 3})
+    srv = RunningServer(model=str(native_model), speculative_config=config, max_num_seqs=8, served_model_name="tiny")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def offline(native_model):
+    llm = LLM(native_model, dtype="float32")
+
+    def run(prompt, max_tokens=16):
+        return llm.generate(prompt, SamplingParams(temperature=0, max_tokens=max_tokens))[0]
+
+    return run
+
+
+@pytest.mark.parametrize("server_name", ["plain_server", "spec_server"])
+def test_completion_chat_and_stream_equal_offline_greedy(request, server_name, offline):
+    srv = request.getfixturevalue(server_name)
+    client = srv.client()
+    ref = offline(PROMPTS[0])
+    out = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == ref.finish_reason
+    assert out.usage.completion_tokens == len(ref.token_ids)
+    assert "spec_decode" in out.model_extra
+    # Token-id prompts.
+    by_ids = client.completions.create(model="tiny", prompt=ref.prompt_token_ids, max_tokens=16, temperature=0)
+    assert by_ids.choices[0].text == ref.text
+    # Streaming: the deltas add up to the same text.
+    stream = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in stream if c.choices) == ref.text
+    # Chat: the model's template, then the same greedy decoding.
+    chat_prompt = srv.engine.llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
+    chat_ref = offline(chat_prompt)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=16,
+                                          temperature=0)
+    assert chat.choices[0].message.content == chat_ref.text
+    chat_stream = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                 max_tokens=16, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chat_stream if c.choices) == chat_ref.text
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_concurrent_requests_disconnects_and_metrics(spec_server, offline):
+    srv = spec_server
+
+    async def one(client, i):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 24, "temperature": 0, "stream": i % 3 == 0}
+        if body["stream"]:
+            text, stats = "", None
+            async with client.stream("POST", "/v1/completions", json=body) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        chunk = json.loads(line[6:])
+                        text += "".join(c["text"] for c in chunk["choices"])
+                        stats = chunk.get("spec_decode", stats)
+            return prompt, text, stats
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        data = r.json()
+        return prompt, data["choices"][0]["text"], data["spec_decode"]
+
+    async def disconnect(client):
+        body = {"model": "tiny", "prompt": "def", "max_tokens": 200, "temperature": 0, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as r:
+            async for _ in r.aiter_lines():
+                break  # go away mid-stream
+
+    async def main():
+        async with httpx.AsyncClient(base_url=srv.url, timeout=120) as client:
+            results = await asyncio.gather(*[one(client, i) for i in range(32)], *[disconnect(client) for _ in range(4)])
+        return results[:32]
+
+    results = asyncio.run(main())
+    stats_sum = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+    for prompt, text, stats in results:
+        assert text == offline(prompt, 24).text
+        for key in stats_sum:
+            stats_sum[key] += stats[key]
+    # Aborted requests free their slots (the engine applies aborts between steps).
+    deadline = time.time() + 20
+    while srv.engine.num_free_slots != srv.engine.llm.scheduler.num_slots or srv.engine.llm.has_unfinished():
+        assert time.time() < deadline, "slots leaked"
+        time.sleep(0.05)
+    metrics = httpx.get(srv.url + "/metrics").text
+    counted = {}
+    for line in metrics.splitlines():
+        for key in stats_sum:
+            if line.startswith(f"specdecode:spec_decode_{key}_total"):
+                counted[key] = float(line.split()[-1])
+    # The counters also saw the aborted requests' steps: at least the finished ones' stats.
+    for key, value in stats_sum.items():
+        assert counted[key] >= value
+    assert 'specdecode:request_success_total{finished_reason="length",model_name="tiny"} ' in metrics
+    assert "specdecode:time_to_first_token_seconds_bucket" in metrics
+    assert "specdecode:spec_decode_num_accepted_tokens_per_pos_total" in metrics
+
+
+def test_metrics_counters_equal_response_stats_exactly(native_model, native_drafter):
+    config = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 2}
+    srv = RunningServer(model=str(native_model), speculative_config=config, max_num_seqs=2, served_model_name="tiny")
+    try:
+        totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0}
+        for prompt in PROMPTS[:3]:
+            data = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 20,
+                                                                 "temperature": 0}, timeout=60).json()
+            for key in totals:
+                totals[key] += data["spec_decode"][key]
+        metrics = httpx.get(srv.url + "/metrics").text
+        for key, value in totals.items():
+            line = next(l for l in metrics.splitlines() if l.startswith(f"specdecode:spec_decode_{key}_total"))
+            assert float(line.split()[-1]) == value
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("body, status, fragment", [
+    ("{not json", 400, "not valid JSON"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ({"model": "gpt-9", "prompt": "x"}, 404, "does not exist"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": 10_000}, 400, "context length"),
+    ({"model": "tiny", "prompt": list(range(3, 300)), "max_tokens": 4}, 400, "context is 256"),
+    ({"model": "tiny", "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ({"model": "tiny", "prompt": "x", "n": 3}, 400, "n=1"),
+    ({"model": "tiny", "prompt": [5, 999]}, 400, "[0, 320)"),
+    ({"model": "tiny"}, 400, "prompt"),
+    ({"model": "tiny", "messages": []}, 400, "messages"),
+])
+def test_errors_are_openai_json(plain_server, body, status, fragment):
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    content = body if isinstance(body, str) else json.dumps(body)
+    r = httpx.post(plain_server.url + path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert fragment in err["message"] and err["type"]
+    # ... and the server keeps serving.
+    ok = httpx.post(plain_server.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_api_key(native_model):
+    srv = RunningServer(model=str(native_model), max_num_seqs=1, api_key="sekret", served_model_name="tiny")
+    try:
+        r = httpx.get(srv.url + "/v1/models")
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert srv.client("sekret").models.list().data[0].id == "tiny"
+        assert httpx.get(srv.url + "/health").status_code == 200  # not under /v1
+    finally:
+        srv.stop()
+
+
+def test_bad_speculative_config_fails_at_startup(native_model):
+    from specdecode.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="num_speculative_tokens"):
+        create_server(model=str(native_model), speculative_config='{"method": "ngram", "num_speculative_tokens": -1}')
+
+
+def test_fuzzed_bodies_never_get_5xx(plain_server):
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    scalar = st.one_of(st.none(), st.booleans(), st.integers(-5, 400), st.floats(-3, 3), st.just(float("nan")),
+                       st.text(max_size=8))
+    value = st.one_of(scalar, st.lists(st.integers(-5, 400), max_size=6), st.lists(st.text(max_size=4), max_size=3))
+    keys = st.sampled_from(["model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n",
+                            "stream", "ignore_eos", "logprobs", "messages", "stop_token_ids"])
+    body = st.dictionaries(keys, value, max_size=8).map(lambda d: {"model": "tiny", "max_tokens": 3, **d})
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=body, chat=st.booleans())
+    def check(body, chat):
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        content = json.dumps(body)  # NaN goes out as the non-standard token `NaN`: must be a 4xx too
+        r = httpx.post(plain_server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+        assert r.status_code < 500, (body, r.text)
+
+    check()
