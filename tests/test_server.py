@@ -4,49 +4,25 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
 import time
 
 import httpx
 import pytest
 
 from specdecode import LLM, SamplingParams
-from specdecode.server.serve import create_server
+from specdecode.server.serve import BackgroundServer, create_server
 
 PROMPTS = ["def fib", "class Stack:", "import os", "    return a", "for x in", "self.items"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class RunningServer:
+class RunningServer(BackgroundServer):
     def __init__(self, **kwargs):
-        import uvicorn
-
-        self.app, self.engine = create_server(dtype="float32", log_interval=0.5, **kwargs)
-        self.port = _free_port()
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.time() + 30
-        while not self.server.started:
-            assert time.time() < deadline, "server did not start"
-            time.sleep(0.05)
-        self.url = f"http://127.0.0.1:{self.port}"
+        super().__init__(dtype="float32", log_interval=0.5, **kwargs)
 
     def client(self, api_key="none"):
         import openai
 
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0)
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.engine.shutdown()
 
 
 @pytest.fixture(scope="module")

@@ -136,6 +136,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (cfg.out_dir / "results.md").write_text(markdown_table(result))
+    write_plots(result, cfg.out_dir)
     return result
 
 
@@ -174,3 +175,43 @@ def parse_methods(text: str) -> list[MethodSpec]:
         return [MethodSpec.parse(part) for part in parts if part.strip()]
     except json.JSONDecodeError as e:
         raise ConfigError(f"--methods: {e}") from None
+
+
+def write_plots(result: dict, out_dir: Path) -> list[Path]:
+    """speedup.png (speedup by method and temperature) and acceptance.png (per-position acceptance)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:  # plots are optional (bench extra)
+        return []
+    runs = [r for r in result["runs"] if r["concurrency"] == min(x["concurrency"] for x in result["runs"])]
+    methods = list(dict.fromkeys(r["method"] for r in runs if r["method"] != "none"))
+    temps = list(dict.fromkeys(r["temperature"] for r in runs))
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(methods)), 3.5))
+    width = 0.8 / max(1, len(temps))
+    for j, t in enumerate(temps):
+        values = [next((r["speedup"] for r in runs if r["method"] == m and r["temperature"] == t), 0) for m in methods]
+        ax.bar([i + j * width for i in range(len(methods))], values, width, label=f"T={t}")
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + width * (len(temps) - 1) / 2 for i in range(len(methods))], methods, rotation=20, fontsize=8)
+    ax.set_ylabel("speedup vs plain decoding")
+    ax.legend()
+    fig.tight_layout()
+    paths = [out_dir / "speedup.png"]
+    fig.savefig(paths[0], dpi=90)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    for r in runs:
+        if r.get("per_position_acceptance"):
+            ax.plot(range(1, len(r["per_position_acceptance"]) + 1), r["per_position_acceptance"], marker="o",
+                    label=f"{r['method']} T={r['temperature']}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("P(accepted | earlier accepted)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(out_dir / "acceptance.png")
+    fig.savefig(paths[1], dpi=90)
+    plt.close("all")
+    return paths

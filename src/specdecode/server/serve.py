@@ -35,3 +35,33 @@ def serve(host: str, port: int, **kwargs) -> None:
         uvicorn.run(app, host=host, port=port, log_level="info")
     finally:
         engine.shutdown()
+
+
+class BackgroundServer:
+    """A server on a free 127.0.0.1 port in a background thread (tests, load generator)."""
+
+    def __init__(self, **kwargs):
+        import socket
+        import threading
+        import time
+
+        import uvicorn
+
+        self.app, self.engine = create_server(**kwargs)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 60
+        while not self.server.started:
+            if time.time() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.engine.shutdown()
