@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 
 def _add_train_target(sub) -> None:
@@ -211,6 +212,36 @@ def _run_serve(args) -> int:
     return 0
 
 
+def _add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="measure the target's step time vs forward size (the cost model)",
+                       description="Time target forwards of B sequences x n new tokens (thorough grid), cache the "
+                       "result for this model/dtype/device (auto-k and D-Cut read it) and plot it.")
+    _add_model_args(p, speculative=False)
+    p.add_argument("--max-num-seqs", type=int, default=16, help="largest batch size profiled")
+    p.add_argument("--max-tokens-per-seq", type=int, default=9, help="largest verify width profiled (k + 1)")
+    p.add_argument("--plot", default="cost_model.png", help="where to write the plot (PNG)")
+    p.set_defaults(func=_run_profile)
+
+
+def _run_profile(args) -> int:
+    from specdecode import LLM
+    from specdecode.spec.cost_model import load_or_profile, plot
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
+    model = load_or_profile(llm.runner, llm.config.model, args.max_num_seqs, args.max_tokens_per_seq, thorough=True)
+    widths = sorted(next(iter(model.table.values())))
+    print("ms per target forward; rows: batch size, columns: new tokens per sequence")
+    print("B \\ n " + " ".join(f"{n:>8}" for n in widths))
+    for B, row in sorted(model.table.items()):
+        print(f"{B:>6} " + " ".join(f"{row[n] * 1000:8.2f}" for n in widths))
+    try:
+        plot(model, Path(args.plot))
+        print(f"plot: {args.plot}")
+    except ImportError:
+        print("matplotlib is not installed: no plot (pip install -e '.[bench]')")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -220,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train_drafter(sub)
     _add_bench(sub)
     _add_serve(sub)
+    _add_profile(sub)
     return parser
 
 

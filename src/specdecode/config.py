@@ -95,7 +95,8 @@ def _cpu_auto_dtype() -> torch.dtype:
 
 # ---- speculative decoding ---------------------------------------------------------------------
 
-DRAFT_LENGTH_SCHEDULES = ("constant", "heuristic")
+DRAFT_LENGTH_SCHEDULES = ("constant", "heuristic", "auto")
+VERIFY_PRUNING = ("none", "dcut")
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,8 +112,12 @@ class SpeculativeConfig:
         (llama.cpp --spec-draft-p-min; that token is dropped). 0 = off.
     draft_n_min: a draft shorter than this is dropped and the step decodes normally
         (llama.cpp --spec-draft-n-min). 0 = off.
-    draft_length_schedule: "constant" (k every step) or "heuristic" (Hugging Face's
-        num_assistant_tokens_schedule: +2 after an all-accepted step, else -1, floor 1, cap k).
+    draft_length_schedule: "constant" (k every step), "heuristic" (Hugging Face's
+        num_assistant_tokens_schedule: +2 after an all-accepted step, else -1, floor 1, cap k)
+        or "auto" (per step, the k in 0..k that maximises expected tokens/s for the batch
+        size under the profiled cost model).
+    verify_pruning: "none" or "dcut" (D-Cut: cut low-confidence draft positions batch-wide
+        when verifying them costs more than they are expected to return).
     """
 
     method: str
@@ -123,6 +128,7 @@ class SpeculativeConfig:
     draft_p_min: float = 0.0
     draft_n_min: int = 0
     draft_length_schedule: str = "constant"
+    verify_pruning: str = "none"
 
     def __post_init__(self) -> None:
         import specdecode.spec.drafters  # noqa: F401  (registers the built-in methods)
@@ -141,6 +147,7 @@ class SpeculativeConfig:
                "draft_n_min", f"an integer in [0, num_speculative_tokens={self.num_speculative_tokens}]")
         _check(self.draft_length_schedule in DRAFT_LENGTH_SCHEDULES, "draft_length_schedule",
                " or ".join(repr(s) for s in DRAFT_LENGTH_SCHEDULES))
+        _check(self.verify_pruning in VERIFY_PRUNING, "verify_pruning", " or ".join(repr(s) for s in VERIFY_PRUNING))
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

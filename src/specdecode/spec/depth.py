@@ -1,11 +1,16 @@
-"""Draft-depth policies: how many tokens each sequence may draft this step.
+"""Draft-depth and verify-depth policies.
 
+Before drafting (`draft_length_schedule`):
 - constant: k every step;
 - heuristic: Hugging Face's `num_assistant_tokens_schedule="heuristic"`: +2 after a step
   whose drafts were all accepted, else -1, never below 1 (and never above k here);
-- draft_n_min (llama.cpp): a draft shorter than n_min is dropped and the step decodes
-  normally. draft_p_min acts inside the drafting loop of the proposers that have
-  probabilities (see drafters/draft_model.py).
+- auto: the k (0..k) that maximises expected committed tokens per second for the current
+  batch size, from the profiled cost model and the online acceptance rate.
+After drafting:
+- draft_n_min (llama.cpp): a draft shorter than n_min is dropped and the step decodes normally;
+- verify_pruning "dcut": D-Cut's batch-global cut of low-survival positions (`dcut_lengths`).
+draft_p_min acts inside the drafting loop of the proposers that have probabilities (see
+drafters/draft_model.py).
 """
 
 from __future__ import annotations
@@ -14,25 +19,56 @@ from specdecode.config import SpeculativeConfig
 from specdecode.engine.sequence import Sequence
 
 
-class DraftLengthPolicy:
-    def __init__(self, config: SpeculativeConfig):
+class DepthController:
+    """Decides each step how far every sequence drafts (before proposing) and how much of
+    each draft is verified (after proposing), and learns from verification results."""
+
+    def __init__(self, config: SpeculativeConfig, cost_model_loader=None):
         self.k = config.num_speculative_tokens
         self.schedule = config.draft_length_schedule
         self.n_min = config.draft_n_min
+        self.pruning = config.verify_pruning
+        self.estimator = AcceptanceEstimator(self.k)
+        self.draft_step_time = 0.0  # EMA of seconds per drafting step (one token for every sequence)
+        self._cost_model_loader = cost_model_loader
+        self._cost = None
+
+    @property
+    def cost(self):
+        if self._cost is None:
+            self._cost = self._cost_model_loader()
+        return self._cost
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self.schedule == "auto" or self.pruning == "dcut"
 
     def limits(self, seqs: list[Sequence]) -> list[int]:
         """Per sequence: the most draft tokens it may use (also bounded by its remaining room:
         a step commits accepted + 1 tokens, so at most room - 1 drafts are useful)."""
-        out = []
-        for seq in seqs:
-            k = seq.drafter_state.get("schedule_k", self.k) if self.schedule == "heuristic" else self.k
-            out.append(max(0, min(k, seq.room - 1)))
-        return out
+        if self.schedule == "auto":
+            k = auto_k(self.cost, len(seqs), self.k, self.estimator.mean, self.draft_step_time)
+            per_seq = [k] * len(seqs)
+        elif self.schedule == "heuristic":
+            per_seq = [seq.drafter_state.get("schedule_k", self.k) for seq in seqs]
+        else:
+            per_seq = [self.k] * len(seqs)
+        return [max(0, min(k, seq.room - 1)) for k, seq in zip(per_seq, seqs)]
 
-    def apply_n_min(self, num_tokens: list[int]) -> list[int]:
-        return [0 if n < self.n_min else n for n in num_tokens]
+    def verify_lengths(self, num_tokens: list[int], confidence: list[list[float]] | None) -> list[int]:
+        """How many of each sequence's drafts go to verification (n_min, then D-Cut)."""
+        lengths = [0 if n < self.n_min else n for n in num_tokens]
+        if self.pruning == "dcut" and max(lengths, default=0) > 0:
+            conf = confidence if confidence is not None else self.estimator.confidence(len(lengths))
+            lengths = dcut_lengths(conf, lengths, self.cost, self.draft_step_time * max(num_tokens))
+        return lengths
 
-    def update(self, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int]) -> None:
+    def update(self, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int], draft_seconds: float,
+               num_draft_steps: int) -> None:
+        self.estimator.update(num_draft, num_accepted)
+        if num_draft_steps:
+            step = draft_seconds / num_draft_steps
+            self.draft_step_time = step if self.draft_step_time == 0 else 0.9 * self.draft_step_time + 0.1 * step
         if self.schedule != "heuristic":
             return
         for seq, n, a in zip(seqs, num_draft, num_accepted):
@@ -40,3 +76,93 @@ class DraftLengthPolicy:
                 continue
             k = seq.drafter_state.get("schedule_k", self.k)
             seq.drafter_state["schedule_k"] = min(self.k, k + 2) if a == n else max(1, k - 1)
+
+
+class AcceptanceEstimator:
+    """Online per-position acceptance: EMA of P(position i accepted | earlier accepted).
+
+    Feeds auto-k (its mean) and serves as the confidence of drafters that have none
+    (n-gram). It depends only on past verification results, never on the current draft,
+    so using it to size a draft keeps verification lossless.
+    """
+
+    def __init__(self, k: int, prior: float = 0.5, decay: float = 0.95):
+        self.rate = [prior] * k  # [k]
+        self.decay = decay
+
+    def update(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        k = len(self.rate)
+        for i in range(k):
+            reached = sum(1 for n, a in zip(num_draft, num_accepted) if n > i and a >= i)
+            if reached:
+                accepted = sum(1 for n, a in zip(num_draft, num_accepted) if n > i and a > i)
+                w = self.decay ** reached  # more evidence this step, more weight
+                self.rate[i] = w * self.rate[i] + (1 - w) * accepted / reached
+
+    @property
+    def mean(self) -> float:
+        return sum(self.rate) / len(self.rate)
+
+    def confidence(self, batch_size: int) -> list[list[float]]:
+        return [list(self.rate) for _ in range(batch_size)]
+
+
+def expected_committed(alpha: float, k: int) -> float:
+    """Tokens committed per step with i.i.d. acceptance alpha and k drafts: (1 - a^(k+1)) / (1 - a)."""
+    if alpha >= 1.0:
+        return k + 1.0
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def auto_k(cost, batch_size: int, k_max: int, alpha: float, draft_step_time: float) -> int:
+    """The draft length that maximises expected committed tokens per second for this batch
+    (0 = plain decoding is faster). Baseline policy: one k for the whole batch."""
+    best_k, best_rate = 0, batch_size / cost.step_time(batch_size, batch_size)
+    for k in range(1, k_max + 1):
+        seconds = k * draft_step_time + cost.step_time(batch_size, batch_size * (k + 1))
+        rate = batch_size * expected_committed(alpha, k) / seconds
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
+def dcut_lengths(confidence: list[list[float]], num_tokens: list[int], cost, draft_seconds: float) -> list[int]:
+    """D-Cut verification depth per request (AngelSlim D-Cut, DSpark's scheduler rule).
+
+    Survival a[q][i] = prod_{j<=i} confidence[q][j] estimates P(draft i of request q is
+    accepted). Every request with a draft keeps its first position; the other (q, i) pairs
+    are admitted in descending a (ties: earlier position first) while the expected committed
+    tokens per second, tau / (draft_seconds + T(B, N)), keeps improving, stopping at the
+    first pair that does not improve it.
+
+    Why this is lossless: a draft token must be verified against the distribution it was
+    sampled from, so whether position i is kept may depend on the prefix x_<i but not on
+    x_i itself. The confidences given here depend only on x_<i (the drafter's top
+    probability at i, or past acceptance statistics); in descending order, (q, i) is
+    decided before any pair whose score involves x_i (a[q][i+1] <= a[q][i]), and the
+    early stop means no later pair can change that decision. A global argmax over K would
+    look at later pairs and is not exact under sampling (DSpark shows a shifted
+    distribution); under greedy decoding any pruning is exact.
+    """
+    B = len(num_tokens)
+    kept = [min(1, n) for n in num_tokens]
+    survival: list[tuple[float, int, int]] = []
+    tau = float(B)
+    for q, n in enumerate(num_tokens):
+        a = 1.0
+        for i in range(n):
+            a *= confidence[q][i]
+            if i == 0:
+                tau += a
+            else:
+                survival.append((a, q, i))
+    N = B + sum(kept)
+    rate = tau / (draft_seconds + cost.step_time(B, N))
+    survival.sort(key=lambda t: (-t[0], t[2]))
+    for a, q, i in survival:
+        new_rate = (tau + a) / (draft_seconds + cost.step_time(B, N + 1))
+        if new_rate <= rate:
+            break
+        tau, N, rate = tau + a, N + 1, new_rate
+        kept[q] = i + 1
+    return kept

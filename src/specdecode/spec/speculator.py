@@ -19,7 +19,8 @@ from specdecode.config import SpeculativeConfig
 from specdecode.engine.runner import ForwardEntry, ForwardResult
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import SamplingBatch, sample
-from specdecode.spec.depth import DraftLengthPolicy
+from specdecode.spec.cost_model import load_or_profile
+from specdecode.spec.depth import DepthController
 from specdecode.spec.proposer import PROPOSERS, Draft, ProposerContext
 from specdecode.spec.verify import Verified, uniform_draws, verify
 
@@ -38,7 +39,10 @@ class Speculator:
         ctx = ProposerContext(config=config, target=llm.model, target_dir=llm.config.model, tokenizer=llm.tokenizer,
                               num_slots=llm.config.max_num_seqs, max_len=llm.max_model_len, dtype=llm.dtype, device=llm.device)
         self.proposer = PROPOSERS[config.method](ctx)
-        self.depth = DraftLengthPolicy(config)
+        self.depth = DepthController(config, cost_model_loader=lambda: load_or_profile(
+            llm.runner, llm.config.model, max_batch=llm.config.max_num_seqs, max_width=config.num_speculative_tokens + 1))
+        if self.depth.needs_cost_model:
+            self.depth.cost  # profile now, before any request owns a KV slot
         self.k = config.num_speculative_tokens
 
     @property
@@ -59,10 +63,13 @@ class Speculator:
         t0 = time.perf_counter()
         if max(limits) > 0:
             draft = self.proposer.propose(seqs, limits, sampling)
-            num_tokens = self.depth.apply_n_min(draft.num_tokens.tolist())
-            draft = draft.truncate([min(n, lim) for n, lim in zip(num_tokens, limits)])
+            num_tokens = draft.num_tokens.tolist()
+            num_draft_steps = max(num_tokens)
+            confidence = draft.confidence.tolist() if draft.confidence is not None else None
+            draft = draft.truncate(self.depth.verify_lengths(num_tokens, confidence))
         else:
             draft = Draft.empty(len(seqs), device)
+            num_draft_steps = 0
         num_draft = draft.num_tokens.tolist()  # one host sync: entry lengths are host-side
         t1 = time.perf_counter()
 
@@ -84,7 +91,7 @@ class Speculator:
         t2 = time.perf_counter()
 
         self.proposer.on_commit(seqs, draft, verified, result)
-        self.depth.update(seqs, num_draft, num_accepted)
+        self.depth.update(seqs, num_draft, num_accepted, t1 - t0, num_draft_steps)
         out = []
         for b, seq in enumerate(seqs):
             seq.num_cached += 1 + num_accepted[b]

@@ -40,6 +40,9 @@ class DraftModelProposer(ProposerBase):
         V = self.model.config.vocab_size
         token_ids = torch.full((B, k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(B, k, V, device=self.device)
+        # Confidence of position i = the drafter's top probability there: it depends on the
+        # prefix only, not on the token drawn at i, which keeps D-Cut pruning lossless.
+        confidence = torch.zeros(B, k, device=self.device)
         num = [0] * B
         active = [b for b in range(B) if max_tokens[b] > 0]
         # First forward: catch up on committed tokens the drafter has not seen.
@@ -67,9 +70,11 @@ class DraftModelProposer(ProposerBase):
                 chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), greedy)
             token_ids[rows, step] = chosen
             probs[rows, step] = q
+            top_prob = q.max(dim=-1).values
+            confidence[rows, step] = top_prob
             chosen_host = chosen.tolist()
             # p_min (llama.cpp): stop at the first token the drafter is unsure of, dropping it.
-            confident = (q.max(dim=-1).values >= self.p_min).tolist() if self.p_min > 0 else [True] * len(active)
+            confident = (top_prob >= self.p_min).tolist() if self.p_min > 0 else [True] * len(active)
             still = []
             for i, b in enumerate(active):
                 if not confident[i]:
@@ -83,7 +88,7 @@ class DraftModelProposer(ProposerBase):
                     seq.drafter_state["draft_fed"] = num[b]
                     still.append(b)
             active = still
-        return Draft(token_ids, torch.tensor(num, device=self.device), probs)
+        return Draft(token_ids, torch.tensor(num, device=self.device), probs, confidence)
 
     def on_commit(self, seqs, draft, verified, result) -> None:
         accepted = verified.num_accepted.tolist()

@@ -1,0 +1,144 @@
+"""The target's step time as a function of forward size, measured on the machine it runs on.
+
+T(B, n): seconds for one target forward of B sequences with n new tokens each, over a
+`context`-token KV cache. Verification of a ragged step with N tokens in total is priced at
+T(B, N / B), interpolated linearly in n and in B between profiled points.
+
+A short profile runs at engine start-up (few points, few repeats); `specdecode profile`
+runs a thorough one. Results are cached per model (path + weights' mtime), dtype, device,
+torch version and thread count, in $SPECDECODE_CACHE (default ~/.cache/specdecode).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.engine.runner import ForwardEntry, Runner
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class CostModel:
+    table: dict[int, dict[int, float]]  # batch size B -> {tokens per sequence n: seconds}
+    context: int
+
+    def step_time(self, batch_size: int, total_tokens: int) -> float:
+        """Seconds for a forward of `batch_size` sequences carrying `total_tokens` new tokens."""
+        n = total_tokens / max(1, batch_size)
+        sizes = sorted(self.table)
+        i = bisect.bisect_left(sizes, batch_size)
+        if i == 0:
+            return self._at(sizes[0], n)
+        if i == len(sizes):  # beyond the profile: scale the largest linearly (compute-bound regime)
+            return self._at(sizes[-1], n) * batch_size / sizes[-1]
+        lo, hi = sizes[i - 1], sizes[i]
+        w = (batch_size - lo) / (hi - lo)
+        return (1 - w) * self._at(lo, n) + w * self._at(hi, n)
+
+    def _at(self, batch_size: int, n: float) -> float:
+        row = self.table[batch_size]
+        widths = sorted(row)
+        j = bisect.bisect_left(widths, n)
+        if j < len(widths) and widths[j] == n:
+            return row[widths[j]]
+        if j == 0:
+            return row[widths[0]]
+        if j == len(widths):  # extrapolate with the last slope
+            a, b = widths[-2:] if len(widths) > 1 else (widths[-1], widths[-1])
+            slope = (row[b] - row[a]) / (b - a) if b != a else 0.0
+            return row[b] + slope * (n - b)
+        a, b = widths[j - 1], widths[j]
+        return row[a] + (row[b] - row[a]) * (n - a) / (b - a)
+
+    def to_json(self) -> dict:
+        return {"context": self.context, "table": {str(b): {str(n): t for n, t in row.items()} for b, row in self.table.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostModel":
+        return cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["table"].items()}, int(data["context"]))
+
+
+def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Path:
+    weights = sorted(Path(model_dir).glob("*.safetensors"))
+    stamp = [str(Path(model_dir).resolve())] + [f"{w.name}:{w.stat().st_mtime_ns}" for w in weights]
+    key = "|".join(stamp + [str(dtype), str(device), torch.__version__, str(torch.get_num_threads())])
+    root = Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode"))
+    return root / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+
+
+@torch.inference_mode()
+def profile(runner: Runner, batch_sizes: list[int], widths: list[int], context: int = 128, repeats: int = 3) -> CostModel:
+    """Time target forwards of B sequences x n new tokens after a `context`-token prefix.
+
+    Uses the runner's own cache slots (writes past every sequence's length are overwritten
+    later), so it must run before requests are admitted."""
+    context = min(context, runner.max_len - max(widths) - 1)
+    num_slots = runner.kv_cache.num_slots
+    prefix = list(range(3, 3 + context))
+    runner.forward([ForwardEntry(s, prefix, start=0) for s in range(min(num_slots, max(batch_sizes)))])
+    table: dict[int, dict[int, float]] = {}
+    for B in batch_sizes:
+        B = min(B, num_slots)
+        table[B] = {}
+        for n in widths:
+            entries = [ForwardEntry(s, list(range(5, 5 + n)), start=context, num_logits=n) for s in range(B)]
+            runner.forward(entries)  # warm-up for this shape
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.forward(entries)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            table[B][n] = statistics.median(times)
+    return CostModel(table, context)
+
+
+def load_or_profile(runner: Runner, model_dir: Path, max_batch: int, max_width: int, thorough: bool = False) -> CostModel:
+    path = cache_path(model_dir, runner.dtype, runner.device)
+    if path.is_file() and not thorough:
+        try:
+            model = CostModel.from_json(json.loads(path.read_text()))
+            if max(model.table) >= min(max_batch, runner.kv_cache.num_slots) and max(max(r) for r in model.table.values()) >= max_width:
+                return model
+        except (json.JSONDecodeError, KeyError, ValueError):
+            pass  # a stale or broken cache file is simply re-measured
+    sizes = sorted({1, *[2 ** i for i in range(1, 8) if 2 ** i < max_batch], max_batch})
+    widths = list(range(1, max_width + 1)) if thorough else sorted({1, 2, 3, max(1, max_width // 2), max_width})
+    start = time.perf_counter()
+    model = profile(runner, sizes, widths, repeats=7 if thorough else 2)
+    log.info("profiled the target's step time (%d points) in %.1fs", len(sizes) * len(widths), time.perf_counter() - start)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(model.to_json(), indent=2))
+    return model
+
+
+def plot(model: CostModel, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.8))
+    for B, row in sorted(model.table.items()):
+        ns = sorted(row)
+        ax.plot([B * n for n in ns], [row[n] * 1000 for n in ns], marker="o", label=f"batch {B}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens in the forward (batch x new tokens per sequence)")
+    ax.set_ylabel("target step time (ms)")
+    ax.set_title(f"target forward cost, context {model.context}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)

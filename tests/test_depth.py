@@ -1,0 +1,115 @@
+"""Cost model, auto-k and D-Cut: pruning only shortens drafts, and stays lossless."""
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.sampling import SamplingBatch, process_logits
+from specdecode.spec.cost_model import CostModel, load_or_profile
+from specdecode.spec.depth import auto_k, dcut_lengths, expected_committed
+from specdecode.spec.verify import verify
+
+FREE_VERIFY = CostModel({1: {1: 0.01, 9: 0.01}, 64: {1: 0.01, 9: 0.01}}, 128)  # memory-bound: width is free
+LINEAR = CostModel({1: {1: 0.01, 9: 0.09}, 64: {1: 0.64, 9: 5.76}}, 128)  # compute-bound: every token costs
+
+
+def test_cost_model_interpolates_and_caches(native_model, tmp_path, monkeypatch):
+    assert LINEAR.step_time(1, 5) == pytest.approx(0.05)
+    assert LINEAR.step_time(64, 64 * 9) == pytest.approx(5.76)
+    assert LINEAR.step_time(128, 128) == pytest.approx(1.28)  # beyond the profile: linear in batch
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4)
+    model = load_or_profile(llm.runner, llm.config.model, max_batch=4, max_width=3)
+    assert set(model.table) == {1, 2, 4} and all(t > 0 for row in model.table.values() for t in row.values())
+    again = load_or_profile(llm.runner, llm.config.model, max_batch=4, max_width=3)
+    assert again.table == model.table  # read from the cache, not re-measured
+    assert list(tmp_path.glob("cost/*.json"))
+
+
+def test_auto_k_follows_cost_and_acceptance():
+    assert auto_k(FREE_VERIFY, 1, 8, alpha=0.8, draft_step_time=0.0005) == 8
+    assert auto_k(LINEAR, 64, 8, alpha=0.3, draft_step_time=0.001) == 0  # plain decoding wins
+    assert auto_k(LINEAR, 1, 8, alpha=0.9, draft_step_time=0.0) == 0  # every token costs a step: never worth it
+    affine = CostModel({1: {1: 0.012, 9: 0.028}}, 128)  # a fixed cost plus a little per token
+    assert auto_k(affine, 1, 8, alpha=0.6, draft_step_time=0.0) == 2
+    assert expected_committed(0.5, 3) == pytest.approx(1.875)
+
+
+def test_dcut_keeps_prefixes_and_first_positions():
+    conf = [[0.9, 0.9, 0.9, 0.9], [0.2, 0.2, 0.2, 0.2], [0.6, 0.5, 0.4, 0.3]]
+    assert dcut_lengths(conf, [4, 4, 4], FREE_VERIFY, 0.0) == [4, 4, 4]  # free verification: keep everything
+    cut = dcut_lengths(conf, [4, 4, 4], LINEAR, 0.0)
+    assert cut[0] >= cut[2] >= cut[1] == 1  # every request keeps its first position
+    assert dcut_lengths(conf, [4, 0, 2], LINEAR, 0.0)[1] == 0
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "prompt_lookup_min": 1, "verify_pruning": "dcut"},
+    {"method": "ngram", "prompt_lookup_min": 1, "draft_length_schedule": "auto"},
+    {"method": "draft_model", "verify_pruning": "dcut", "draft_length_schedule": "auto"},
+])
+def test_greedy_output_unchanged_with_auto_k_and_dcut(native_model, native_drafter, tmp_path, monkeypatch, config):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    if config["method"] == "draft_model":
+        config = {**config, "model": str(native_model)}  # drafter == target: long drafts worth keeping
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 5, 17, 99, 5, 17], [8, 200, 31, 77], [42], [100, 101])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(prompts, params)
+    spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={**config, "num_speculative_tokens": 4})
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+
+
+# ---- D-Cut under sampling: the kept prefix may depend on x_<i, never on x_i ----------------
+
+V, N, GROUP = 6, 120_000, 4
+
+
+def _setup():
+    g = torch.Generator().manual_seed(11)
+    target_logits = torch.randn(3, V, generator=g) * 1.5
+    draft_logits = torch.randn(2, V, generator=g) * 1.5
+    one = SamplingBatch.build([SamplingParams(temperature=1.0)], [None], "cpu")
+    p = process_logits(target_logits, one.repeat_rows([3]))
+    q = process_logits(draft_logits, one.repeat_rows([2]))
+    return target_logits, p, q
+
+
+def _run(confidence_of):
+    torch.manual_seed(3)
+    target_logits, p, q = _setup()
+    drafts = torch.stack([torch.multinomial(q[i], N, replacement=True) for i in range(2)], dim=1)  # [N, 2]
+    conf = confidence_of(drafts, q)  # [N, 2]
+    cost = CostModel({GROUP: {1: 1.0, 2: 1.1, 3: 1.2}}, 128)  # each extra position costs ~10% of a step
+    lengths = []
+    for start in range(0, N, GROUP):  # batches of 4 requests pruned together
+        lengths += dcut_lengths(conf[start:start + GROUP].tolist(), [2] * GROUP, cost, 0.0)
+    lengths = torch.tensor(lengths)
+    drafts = torch.where(torch.arange(2)[None, :] < lengths[:, None], drafts, -1)
+    batch = SamplingBatch.build([SamplingParams(temperature=1.0)] * N, [None] * N, "cpu")
+    out = verify(drafts, lengths, q.expand(N, 2, V), target_logits.expand(N, 3, V), batch)
+    kept_second = (lengths == 2).float().mean().item()
+    freq = torch.bincount(out.token_ids[:, 0], minlength=V).double() / N
+    second = out.token_ids[out.num_accepted >= 1, 1]
+    freq2 = torch.bincount(second, minlength=V).double() / len(second)
+    return 0.5 * (freq - p[0]).abs().sum().item(), 0.5 * (freq2 - p[1]).abs().sum().item(), kept_second
+
+
+def test_dcut_with_prefix_confidence_keeps_the_target_distribution():
+    # Confidence at position i from the drafter's distribution there (prefix-only), plus noise
+    # from the other requests of the batch: the cut varies, the distribution must not.
+    def prefix_only(drafts, q):
+        return torch.stack([q[0].max().expand(len(drafts)), q[1].max() * (0.5 + drafts[:, 0].float() / 10)], dim=1)
+
+    tv1, tv2, kept = _run(prefix_only)
+    assert 0.05 < kept < 0.95  # the cut really happens, for some rows only
+    assert tv1 < 0.01 and tv2 < 0.015
+
+
+def test_dcut_with_token_dependent_confidence_would_be_biased():
+    # Negative control: confidence q(x_i) of the sampled token itself shifts the distribution.
+    def chosen_token(drafts, q):
+        return torch.stack([q[0][drafts[:, 0]], q[1][drafts[:, 1]]], dim=1)
+
+    tv1, tv2, _ = _run(chosen_token)
+    assert max(tv1, tv2) > 0.015  # the correct rule stays below 0.005 here
