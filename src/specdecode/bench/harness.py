@@ -45,7 +45,10 @@ class MethodSpec:
         for item in filter(None, args.split(";")):
             key, _, value = item.partition("=")
             key = {"k": "num_speculative_tokens"}.get(key, key)
-            config[key] = json.loads(value) if value[:1] in "0123456789.-[{\"tf" else value
+            try:
+                config[key] = json.loads(value)
+            except json.JSONDecodeError:
+                config[key] = value  # a bare string such as dcut
         SpeculativeConfig.parse(config)  # fail now, not after an hour of baseline
         return cls(text, config)
 
@@ -213,5 +216,22 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     fig.tight_layout()
     paths.append(out_dir / "acceptance.png")
     fig.savefig(paths[1], dpi=90)
+    levels = sorted({r["concurrency"] for r in result["runs"]})
+    if len(levels) > 1:
+        fig, ax = plt.subplots(figsize=(5.5, 3.8))
+        for t in temps:
+            for m in methods:
+                sel = sorted((r for r in result["runs"] if r["method"] == m and r["temperature"] == t),
+                             key=lambda r: r["concurrency"])
+                ax.plot([r["concurrency"] for r in sel], [r["speedup"] for r in sel], marker="o",
+                        label=m if len(temps) == 1 else f"{m} T={t}")
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_ylabel("speedup vs plain decoding")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        paths.append(out_dir / "speedup_vs_concurrency.png")
+        fig.savefig(paths[-1], dpi=90)
     plt.close("all")
     return paths
