@@ -31,7 +31,7 @@ class MethodSpec:
 
     @classmethod
     def parse(cls, text: str) -> "MethodSpec":
-        """`none`, `ngram`, `draft_model:k=3`, `ngram:k=4,prompt_lookup_max=3` or a JSON object."""
+        """`none`, `ngram`, `draft_model:k=3`, `ngram:k=4:prompt_lookup_max=3` or a JSON object."""
         text = text.strip()
         if text == "none":
             return cls("none", None)
@@ -42,7 +42,7 @@ class MethodSpec:
             return cls(label, config)
         name, _, args = text.partition(":")
         config: dict = {"method": name}
-        for item in filter(None, args.split(";")):
+        for item in filter(None, args.split(":")):
             key, _, value = item.partition("=")
             key = {"k": "num_speculative_tokens"}.get(key, key)
             try:
@@ -164,7 +164,7 @@ def markdown_table(result: dict) -> str:
 
 
 def parse_methods(text: str) -> list[MethodSpec]:
-    """Comma-separated method specs; options of one method are separated by ';'."""
+    """Comma-separated method specs; options of one method are separated by ':'."""
     parts, depth, current = [], 0, ""
     for ch in text:  # split on commas outside JSON braces
         depth += {"{": 1, "}": -1}.get(ch, 0)

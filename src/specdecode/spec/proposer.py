@@ -28,6 +28,7 @@ class Draft:
     num_tokens: torch.Tensor  # [B] int64 drafts per sequence (0 = decode normally this step)
     probs: torch.Tensor | None = None  # [B, k, V] processed draft distribution q; None = one-hot drafts
     confidence: torch.Tensor | None = None  # [B, k] drafter's estimate that each token is accepted
+    parents: torch.Tensor | None = None  # [B, k] tree drafts: parent node (-1 root, -2 padding); None = chain
 
     @classmethod
     def empty(cls, batch_size: int, device) -> "Draft":
@@ -35,7 +36,7 @@ class Draft:
                    torch.zeros(batch_size, dtype=torch.long, device=device))
 
     def truncate(self, limits: list[int]) -> "Draft":
-        """Keep at most limits[b] tokens of sequence b (pruning never changes what is kept)."""
+        """Keep at most limits[b] tokens (tree: nodes) of sequence b; what is kept is unchanged."""
         limit = torch.tensor(limits, dtype=torch.long, device=self.num_tokens.device)
         num = torch.minimum(self.num_tokens, limit)
         k = int(max(limits)) if limits else 0
@@ -44,7 +45,26 @@ class Draft:
         token_ids = torch.where(cols < num[:, None], self.token_ids[:, :k], torch.full_like(self.token_ids[:, :k], -1))
         probs = self.probs[:, :k] if self.probs is not None else None
         confidence = self.confidence[:, :k] if self.confidence is not None else None
-        return Draft(token_ids, num, probs, confidence)
+        # A prefix of a tree's node list is a tree (parents precede children).
+        parents = None
+        if self.parents is not None:
+            parents = torch.where(cols < num[:, None], self.parents[:, :k], torch.full_like(self.parents[:, :k], -2))
+        return Draft(token_ids, num, probs, confidence, parents)
+
+    def drop_rows(self, rows: list[int]) -> "Draft":
+        """The same draft with no tokens for the given sequences (they decode normally)."""
+        if not rows:
+            return self
+        index = torch.tensor(rows, device=self.num_tokens.device)
+        num = self.num_tokens.clone()
+        num[index] = 0
+        token_ids = self.token_ids.clone()
+        token_ids[index] = -1
+        parents = None
+        if self.parents is not None:
+            parents = self.parents.clone()
+            parents[index] = -2
+        return Draft(token_ids, num, self.probs, self.confidence, parents)
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,6 +83,7 @@ class ProposerContext:
 
 class Proposer(Protocol):
     hidden_taps: tuple[int, ...]  # target layers whose hidden states this drafter reads (HF numbering)
+    max_tree_depth: int  # tree drafters: the deepest node they ever propose (0 for chain drafters)
 
     def __init__(self, ctx: ProposerContext) -> None: ...
 
@@ -95,6 +116,7 @@ class ProposerBase:
     """No-op hooks for proposers that keep no per-step state."""
 
     hidden_taps: tuple[int, ...] = ()
+    max_tree_depth: int = 0
 
     def on_prefill(self, seqs, result) -> None:
         pass

@@ -22,6 +22,7 @@ from specdecode.sampling import SamplingBatch, sample
 from specdecode.spec.cost_model import load_or_profile
 from specdecode.spec.depth import DepthController
 from specdecode.spec.proposer import PROPOSERS, Draft, ProposerContext
+from specdecode.spec.tree import compact_accepted, node_depths, tree_attention_mask, verify_tree
 from specdecode.spec.verify import Verified, uniform_draws, verify
 
 if TYPE_CHECKING:
@@ -65,27 +66,20 @@ class Speculator:
             draft = self.proposer.propose(seqs, limits, sampling)
             num_tokens = draft.num_tokens.tolist()
             num_draft_steps = max(num_tokens)
-            confidence = draft.confidence.tolist() if draft.confidence is not None else None
-            draft = draft.truncate(self.depth.verify_lengths(num_tokens, confidence))
+            if draft.parents is None:  # n_min and D-Cut shape chains; trees come shaped by their drafter
+                confidence = draft.confidence.tolist() if draft.confidence is not None else None
+                draft = draft.truncate(self.depth.verify_lengths(num_tokens, confidence))
         else:
             draft = Draft.empty(len(seqs), device)
             num_draft_steps = 0
         num_draft = draft.num_tokens.tolist()  # one host sync: entry lengths are host-side
         t1 = time.perf_counter()
 
-        drafts_host = draft.token_ids.tolist()
-        entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
-                                num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
-        result = runner.forward(entries, hidden_taps=self.hidden_taps)
-        draft = _pad_draft(draft, self.k)  # fixed width k: per-request random draws never depend on the batch
-        if max(num_draft) == 0:
-            # Nothing to verify: sample as plain decoding does, without the verifier's [B, k+1, V] work.
-            # The seeded rows still draw their k uniforms, so their random streams stay batch-independent.
-            uniform_draws(len(seqs), self.k, sampling.generators, device)
-            final = sample(result.logits[:, 0], sampling)
-            verified = Verified(final[:, None], torch.zeros_like(final))
+        if draft.parents is not None:
+            # For metrics a tree offers as many draft tokens as its deepest path.
+            result, verified, num_draft = self._verify_tree(seqs, draft, num_draft, limits, sampling)
         else:
-            verified = verify(draft.token_ids, draft.num_tokens, draft.probs, _pad_logits(result.logits, self.k + 1), sampling)
+            result, verified = self._verify_chain(seqs, draft, num_draft, sampling)
         num_accepted = verified.num_accepted.tolist()
         tokens = verified.token_ids.tolist()
         t2 = time.perf_counter()
@@ -100,6 +94,46 @@ class Speculator:
             seq.stats.verify_time += (t2 - t1) / len(seqs)
             out.append(tokens[b][: num_accepted[b] + 1])
         return out
+
+    def _verify_chain(self, seqs, draft: Draft, num_draft: list[int], sampling: SamplingBatch):
+        drafts_host = draft.token_ids.tolist()
+        entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
+                                num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
+        result = self.llm.runner.forward(entries, hidden_taps=self.hidden_taps)
+        draft = _pad_draft(draft, self.k)  # fixed width k: per-request random draws never depend on the batch
+        if max(num_draft) == 0:
+            # Nothing to verify: sample as plain decoding does, without the verifier's [B, k+1, V] work.
+            # The seeded rows still draw their k uniforms, so their random streams stay batch-independent.
+            uniform_draws(len(seqs), self.k, sampling.generators, self.llm.device)
+            final = sample(result.logits[:, 0], sampling)
+            return result, Verified(final[:, None], torch.zeros_like(final))
+        logits = _pad_logits(result.logits, self.k + 1)
+        return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling)
+
+    def _verify_tree(self, seqs, draft: Draft, num_nodes: list[int], limits: list[int], sampling: SamplingBatch):
+        tokens, parents = draft.token_ids.tolist(), draft.parents.tolist()
+        entries, too_big, tree_depths = [], [], []
+        for b, s in enumerate(seqs):
+            nodes = parents[b][: num_nodes[b]]
+            depths = node_depths(nodes)
+            # A tree must fit the sequence's room and its KV slot; otherwise it decodes normally.
+            if nodes and (max(depths) > limits[b] or s.num_cached + len(nodes) >= self.llm.max_model_len):
+                too_big.append(b)
+                nodes, depths = [], []
+            tree_depths.append(max(depths, default=0))
+            entries.append(ForwardEntry(
+                s.slot, [s.last_token_id] + tokens[b][: len(nodes)], start=s.num_cached, num_logits=1 + len(nodes),
+                positions=[s.num_cached + d for d in [0] + depths], tree_mask=tree_attention_mask(nodes)))
+        draft = draft.drop_rows(too_big)
+        result = self.llm.runner.forward(entries, hidden_taps=self.hidden_taps)
+        width = draft.token_ids.shape[1]
+        verified, path = verify_tree(draft.token_ids, draft.parents, _pad_logits(result.logits, width + 1), sampling,
+                                     self.proposer.max_tree_depth)
+        device = self.llm.device
+        compact_accepted(self.llm.runner.kv_cache, torch.tensor([s.slot for s in seqs], device=device),
+                         torch.tensor([s.num_cached for s in seqs], device=device), path, verified.num_accepted)
+        verified.path = path
+        return result, verified, tree_depths
 
 
 def _pad_draft(draft: Draft, k: int) -> Draft:

@@ -35,6 +35,7 @@ from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
 class Verified:
     token_ids: torch.Tensor  # [B, k + 1] committed tokens per row, padded with -1
     num_accepted: torch.Tensor  # [B] accepted draft tokens; row b commits num_accepted[b] + 1 tokens
+    path: torch.Tensor | None = None  # [B, depth] trees: accepted node indices along the path, -1 padded
 
 
 def uniform_draws(rows: int, cols: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
