@@ -171,6 +171,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,0.8")
     p.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process: transformers")
     _add_model_args(p, speculative=False)
     p.set_defaults(func=_run_bench)
 
@@ -184,7 +185,8 @@ def _run_bench(args) -> int:
                       num_prompts=args.num_prompts or None, max_tokens=args.max_tokens,
                       concurrency=[int(c) for c in args.concurrency.split(",")],
                       temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
-                      device=args.device, seed=args.seed, out_dir=Path(args.out))
+                      device=args.device, seed=args.seed, out_dir=Path(args.out),
+                      peers=[p for p in args.peers.split(",") if p])
     print(markdown_table(run_bench(cfg)))
     return 0
 

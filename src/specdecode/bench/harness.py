@@ -66,6 +66,7 @@ class BenchConfig:
     device: str = "auto"
     seed: int = 0
     out_dir: Path = Path("bench_out")
+    peers: list[str] = dataclasses.field(default_factory=list)  # "transformers"
 
 
 def machine_info(llm: LLM) -> dict:
@@ -133,6 +134,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                     record["outputs_equal_to_plain"] = f"{same}/{len(outs)}"
                 runs.append(record)
                 bar.update(1)
+            if "transformers" in cfg.peers and concurrency == 1 and baseline is not None:
+                runs += _transformers_runs(cfg, llm, prompts, temperature, baseline)
     bar.close()
     result = {"machine": info, "model": str(cfg.model or "default"), "prompts": cfg.prompts,
               "num_prompts": len(prompts), "max_tokens": cfg.max_tokens, "runs": runs}
@@ -143,12 +146,37 @@ def run_bench(cfg: BenchConfig) -> dict:
     return result
 
 
+def _transformers_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: float, baseline) -> list[dict]:
+    """HF transformers plain / assisted / prompt lookup on the same checkpoint, prompts and dtype."""
+    from specdecode.bench.peers import run_transformers
+    from specdecode.defaults import DEFAULT_MODEL_NAME, is_default_model, models_dir
+
+    drafts = [m.config for m in cfg.methods if m.config and m.config["method"] == "draft_model"]
+    k = drafts[0].get("num_speculative_tokens", 4) if drafts else 4
+    draft_dir = Path(drafts[0]["model"]) if drafts and drafts[0].get("model") else (
+        models_dir() / f"{DEFAULT_MODEL_NAME}-draft" if is_default_model(llm.config.model) else None)
+    rows = run_transformers(Path(llm.config.model), draft_dir, prompts, cfg.max_tokens, temperature, llm.dtype, k, cfg.seed)
+    records = []
+    for row in rows:
+        tps = row["tokens"] / row["wall_seconds"]
+        record = {"method": row["method"], "engine": "transformers", "config": None, "temperature": temperature,
+                  "concurrency": 1, "num_prompts": len(prompts), "output_tokens": row["tokens"],
+                  "wall_seconds": round(row["wall_seconds"], 4), "tokens_per_second": round(tps, 2),
+                  "speedup": round(tps / baseline[0]["tokens_per_second"], 3)}
+        if temperature == 0:
+            same = sum(o == b.token_ids for o, b in zip(row["outputs"], baseline[1]))
+            record["outputs_equal_to_plain"] = f"{same}/{len(prompts)}"
+        records.append(record)
+    return records
+
+
 def markdown_table(result: dict) -> str:
     m = result["machine"]
     lines = [
         f"Model `{result['model']}`, {result['num_prompts']} `{result['prompts']}` prompts, "
         f"{result['max_tokens']} new tokens each; {m['device']} {m['dtype']}, torch {m['torch']}, "
         f"{m['cpu_count']} threads, {m['processor']}.", "",
+        "Speedup is against specdecode's plain decoding in the same run, for every row (peers included).", "",
         "| method | T | concurrency | tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | draft / verify time | = plain |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -156,10 +184,11 @@ def markdown_table(result: dict) -> str:
         per_pos = ", ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", []))
         split = (f"{r['draft_time_fraction']:.0%} / {r['verify_time_fraction']:.0%}"
                  if r.get("draft_time_fraction") is not None else "")
+        acceptance = f"{r['acceptance_rate']:.1%}" if "acceptance_rate" in r else ""
+        length = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
         lines.append(
             f"| {r['method']} | {r['temperature']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | "
-            f"{r['speedup']:.2f}x | {r.get('acceptance_rate', 0):.1%} | {r.get('mean_acceptance_length', 1):.2f} | "
-            f"{per_pos} | {split} | {r.get('outputs_equal_to_plain', '')} |")
+            f"{r['speedup']:.2f}x | {acceptance} | {length} | {per_pos} | {split} | {r.get('outputs_equal_to_plain', '')} |")
     return "\n".join(lines) + "\n"
 
 
