@@ -55,3 +55,17 @@ def test_humaneval_prompt_set():
     prompts = load_prompts("humaneval")
     assert len(prompts) == 164 and prompts[0].startswith("from typing import List")
     assert len(load_prompts("humaneval", 5)) == 5
+
+
+def test_mtbench_prompt_set_and_jsonl_files(tmp_path):
+    prompts = load_prompts("mtbench")
+    assert len(prompts) == 80 and all(p.strip() for p in prompts)
+    good = tmp_path / "p.jsonl"
+    good.write_text('{"prompt": "a"}\n\n{"prompt": "b", "extra": 1}\n')
+    assert load_prompts(str(good)) == ["a", "b"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a"}\n')
+    with pytest.raises(ConfigError, match="line 1.*'prompt'"):
+        load_prompts(str(bad))
+    with pytest.raises(ConfigError, match="neither a built-in"):
+        load_prompts("nope")

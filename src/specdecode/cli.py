@@ -164,7 +164,7 @@ def _add_bench(sub) -> None:
                        "write results.json and results.md to --out, and print the table.")
     p.add_argument("--methods", default="none,ngram,draft_model",
                    help="comma-separated: none, a method name, name:k=4:prompt_lookup_max=3, or a JSON object")
-    p.add_argument("--prompts", default="humaneval", help="humaneval, or a JSONL file with a 'prompt' field per line")
+    p.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a JSONL file with a 'prompt' field per line")
     p.add_argument("--num-prompts", type=int, default=20, help="first N prompts of the set (0 = all)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored: equal work)")
     p.add_argument("--concurrency", default="1", help="comma-separated batch sizes, e.g. 1,4,16")

@@ -1,4 +1,5 @@
-"""Prompt sets for benchmarks: `humaneval` (164 code prompts, shipped) or a JSONL file path."""
+"""Prompt sets for benchmarks: `humaneval` (164 code prompts), `mtbench` (80 MT-Bench first turns),
+both shipped with their licenses in specdecode/data, or a JSONL file path (a `prompt` per line)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 from specdecode.errors import ConfigError
 
-BUILTIN = {"humaneval": "humaneval.jsonl"}
+BUILTIN = {"humaneval": "humaneval.jsonl", "mtbench": "mtbench.jsonl"}
 
 
 def load_prompts(name_or_path: str, num_prompts: int | None = None) -> list[str]:
