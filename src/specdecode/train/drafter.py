@@ -57,6 +57,8 @@ class DrafterTrainConfig:
     # draft_model shape
     num_layers: int = 2
     intermediate_size: int = 512
+    # eagle3: reduced draft vocabulary (most frequent tokens)
+    draft_vocab_size: int = 4096
 
     def __post_init__(self) -> None:
         self.target, self.out_dir, self.work_dir = Path(self.target), Path(self.out_dir), Path(self.work_dir)
@@ -66,14 +68,15 @@ class DrafterTrainConfig:
 
 @dataclasses.dataclass(slots=True)
 class DrafterRecipe:
-    build: Callable[[LlamaForCausalLM, DrafterTrainConfig], torch.nn.Module]  # target -> drafter (trainable)
-    logits: Callable[[torch.nn.Module, LlamaForCausalLM, torch.Tensor], torch.Tensor]  # drafter logits [B, T, V]
-    export: Callable[[torch.nn.Module, LlamaForCausalLM, DrafterTrainConfig, dict], None]
+    build: Callable  # (target, cfg, train_tokens) -> drafter module (trainable parameters set)
+    loss: Callable  # (drafter, target, window [B, T]) -> scalar loss
+    predict: Callable  # (drafter, target, window) -> (drafter logits, target logits) [B, T', V], aligned
+    export: Callable  # (drafter, target, cfg, report) -> None
 
 
 # ---- draft_model -------------------------------------------------------------------------------
 
-def build_draft_model(target: LlamaForCausalLM, cfg: DrafterTrainConfig) -> LlamaForCausalLM:
+def build_draft_model(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None) -> LlamaForCausalLM:
     tc = target.config
     dc = dataclasses.replace(tc, num_hidden_layers=cfg.num_layers, intermediate_size=cfg.intermediate_size,
                              tie_word_embeddings=True)
@@ -94,10 +97,14 @@ def build_draft_model(target: LlamaForCausalLM, cfg: DrafterTrainConfig) -> Llam
     return drafter
 
 
-def draft_model_logits(drafter: LlamaForCausalLM, target: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
-    B, T = inputs.shape
-    out = drafter(inputs, torch.arange(T, device=inputs.device).expand(B, T))
-    return drafter.compute_logits(out.hidden)
+def draft_model_predict(drafter: LlamaForCausalLM, target: LlamaForCausalLM, window: torch.Tensor):
+    B, T = window.shape
+    out = drafter(window, torch.arange(T, device=window.device).expand(B, T))
+    return drafter.compute_logits(out.hidden), target_logits(target, window)
+
+
+def draft_model_loss(drafter, target, window) -> torch.Tensor:
+    return distill_loss(*draft_model_predict(drafter, target, window))
 
 
 def export_draft_model(drafter: LlamaForCausalLM, target: LlamaForCausalLM, cfg: DrafterTrainConfig, report: dict) -> None:
@@ -114,8 +121,98 @@ def export_draft_model(drafter: LlamaForCausalLM, target: LlamaForCausalLM, cfg:
     (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
+# ---- EAGLE, EAGLE-3, MTP ------------------------------------------------------------------------
+
+def build_eagle(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
+    from specdecode.spec.drafters.eagle import EagleConfig, EagleDrafter, default_aux_layers
+
+    tc = target.config
+    layer = dataclasses.replace(tc, num_hidden_layers=1)
+    aux = default_aux_layers(tc.num_hidden_layers) if cfg.method == "eagle3" else ()
+    draft_vocab = min(cfg.draft_vocab_size, tc.vocab_size) if cfg.method == "eagle3" else 0
+    drafter = EagleDrafter(EagleConfig(cfg.method, layer, aux, draft_vocab))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if p.dim() >= 2:
+                torch.nn.init.normal_(p, 0.0, 0.02)
+        # Start the decoder layer from the target's last layer: it already speaks the target's features.
+        drafter.layer.load_state_dict(target.model.layers[-1].state_dict())
+        if cfg.method == "eagle3":
+            # Reduced draft vocabulary: the most frequent corpus tokens (EAGLE-3's d2t / t2d maps).
+            counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=tc.vocab_size)
+            keep = np.sort(np.argsort(-counts, kind="stable")[:draft_vocab])
+            drafter.d2t.copy_(torch.from_numpy(keep) - torch.arange(draft_vocab))
+            drafter.lm_head.weight.copy_(target.lm_head.weight[torch.from_numpy(keep)])
+            drafter.norm.load_state_dict(target.model.norm.state_dict())
+    return drafter
+
+
+def _eagle_unroll(drafter, target: LlamaForCausalLM, window: torch.Tensor, steps: int):
+    """Yield (step j, drafter logits [B, n, V'], target logits [B, n, V], drafter output, next target feature)
+    for j = 1..steps. Step j at anchor t takes (token t+j, feature): the target's f_t at j = 1, the
+    drafter's own step-(j-1) output after that (training-time test), at drafter position t+j-1."""
+    from specdecode.spec.drafters.eagle import feature_taps, raw_features
+
+    B, T = window.shape
+    taps = feature_taps(drafter.cfg.variant, target.config, drafter.cfg.aux_layers)
+    with torch.no_grad():
+        out = target(window, torch.arange(T, device=window.device).expand(B, T), hidden_taps=taps)
+        p_logits = target.compute_logits(out.hidden)  # [B, T, V]
+        raw = raw_features(drafter.cfg.variant, out.hidden, out.taps, drafter.cfg.aux_layers)
+        embeds = target.model.embed_tokens(window)
+    feats = drafter.features(raw)  # [B, T, d]
+    f_in = feats[:, :-1]
+    for j in range(1, steps + 1):
+        n = T - j
+        if n <= 1:
+            return
+        positions = (torch.arange(n, device=window.device) + j - 1).expand(B, n)
+        o = drafter(embeds[:, j: j + n], f_in[:, :n], positions)
+        yield j, drafter.logits(o, target), p_logits[:, j: j + n], o, feats[:, j: j + n]
+        f_in = o[:, : n - 1]
+
+
+def _soft_ce(q_logits: torch.Tensor, p_logits: torch.Tensor, draft_ids: torch.Tensor | None) -> torch.Tensor:
+    p = p_logits.float().softmax(-1)
+    if draft_ids is not None:  # EAGLE-3: the target's distribution restricted to the draft vocabulary
+        p = p[..., draft_ids]
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+    return -(p * F.log_softmax(q_logits.float(), dim=-1)).sum(-1).mean()
+
+
+def eagle_loss(drafter, target, window) -> torch.Tensor:
+    """Soft cross-entropy against the target at every unrolled step, weighted 0.8^(j-1);
+    EAGLE-1 adds its SmoothL1 feature regression on the first step."""
+    steps = {"eagle": 3, "mtp": 3, "eagle3": 5}[drafter.cfg.variant]
+    draft_ids = drafter.draft_to_target
+    total = 0.0
+    for j, q_logits, p_logits, o, next_feature in _eagle_unroll(drafter, target, window, steps):
+        total = total + 0.8 ** (j - 1) * _soft_ce(q_logits, p_logits, draft_ids)
+        if j == 1 and drafter.cfg.variant == "eagle":
+            total = total + F.smooth_l1_loss(o.float(), next_feature.float())
+    return total
+
+
+def eagle_predict(drafter, target, window):
+    """First draft position (true features): drafter logits over the target vocabulary vs the target's."""
+    _, q_logits, p_logits, _, _ = next(_eagle_unroll(drafter, target, window, 1))
+    draft_ids = drafter.draft_to_target
+    if draft_ids is not None:
+        # Tokens outside the draft vocabulary get a very low (finite, so KL stays defined) logit.
+        full = torch.full((*q_logits.shape[:-1], p_logits.shape[-1]), -1e4, device=q_logits.device)
+        q_logits = full.index_copy(-1, draft_ids, q_logits)
+    return q_logits, p_logits
+
+
+def export_eagle(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
+    from specdecode.spec.drafters.eagle import save_drafter
+
+    save_drafter(drafter, cfg.out_dir, cfg.target, report)
+
+
 RECIPES: dict[str, DrafterRecipe] = {
-    "draft_model": DrafterRecipe(build_draft_model, draft_model_logits, export_draft_model),
+    "draft_model": DrafterRecipe(build_draft_model, draft_model_loss, draft_model_predict, export_draft_model),
+    **{m: DrafterRecipe(build_eagle, eagle_loss, eagle_predict, export_eagle) for m in ("eagle", "eagle3", "mtp")},
 }
 
 
@@ -147,8 +244,7 @@ def evaluate_agreement(recipe: DrafterRecipe, drafter, target, val: np.ndarray, 
     for i in range(0, n, cfg.batch_size):
         window = torch.from_numpy(np.stack([val[s: s + cfg.context].astype(np.int64) for s in starts[i: i + cfg.batch_size]])).to(device)
         with torch.autocast(device.type, dtype=dtype):
-            p_logits = target_logits(target, window)
-            q_logits = recipe.logits(drafter, target, window)
+            q_logits, p_logits = recipe.predict(drafter, target, window)
         p, q = p_logits.float().softmax(-1), q_logits.float().softmax(-1)
         agree.append((p_logits.argmax(-1) == q_logits.argmax(-1)).float().mean().item())
         overlap.append(torch.minimum(p, q).sum(-1).mean().item())
@@ -166,7 +262,7 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     target = load_model(cfg.target, torch.float32, device)
     train_tokens, val_tokens = tokenize_corpus(cfg.target / "tokenizer.json", cfg.work_dir / "tokens.npz")
     torch.manual_seed(cfg.seed)
-    drafter = recipe.build(target, cfg).to(device).train()
+    drafter = recipe.build(target, cfg, train_tokens).to(device).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     data_gen = torch.Generator().manual_seed(cfg.seed)
@@ -182,8 +278,7 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
             group["lr"] = lr
         window = sample_windows(train_tokens, cfg.batch_size, cfg.context, data_gen).to(device)
         with torch.autocast(device.type, dtype=dtype):
-            teacher = target_logits(target, window)
-            loss = distill_loss(recipe.logits(drafter, target, window), teacher)
+            loss = recipe.loss(drafter, target, window)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -191,7 +286,7 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
         step += 1
         losses.append(loss.item())
         bar.update(1)
-        bar.set_postfix(kl=f"{losses[-1]:.3f}", lr=f"{lr:.2e}",
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", lr=f"{lr:.2e}",
                         tok_s=f"{cfg.batch_size * cfg.context / (time.time() - t0):.0f}")
         if ckpt.due(cfg.checkpoint_minutes):
             ckpt.save(drafter, opt, data_gen, step)
@@ -201,7 +296,7 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     report = {
         "method": cfg.method, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
         "wall_seconds": ckpt.elapsed(), "parameters": sum(p.numel() for p in drafter.parameters()),
-        "final_train_kl": float(np.mean(losses[-30:])) if losses else None,
+        "final_train_loss": float(np.mean(losses[-30:])) if losses else None,
         "before_training": before, **after,
     }
     recipe.export(drafter, target, cfg, report)

@@ -1,0 +1,291 @@
+"""Feature-level drafters that read the target's own hidden states: EAGLE, EAGLE-3 and MTP.
+
+One module, three variants (METHODS.md 2.5, 2.6), built from the project's DecoderLayer:
+
+    x_t  = fc([e(tok_{t+1}) ; f_t])          # 2d -> d; EAGLE-3 / MTP RMS-normalise both halves
+    o_t  = DecoderLayer(x_t)                  # attends to earlier drafter positions (own KV cache)
+    tokens from o_t:  eagle: target LM head;  mtp: target final norm + LM head;
+                      eagle3: own norm + own LM head over a reduced draft vocabulary (d2t map)
+
+f_t is the target's feature at position t: eagle: the final-normed last hidden state; mtp: the
+last layer's output before the final norm; eagle3: Linear(3d -> d) over the concatenated
+hidden states of a low, a middle and a high layer. Drafting further, o_t is fed back as the
+next feature (EAGLE's feature prediction, MTP's chaining, EAGLE-3's self-feeding).
+
+Engine contract: drafter position t takes (token t+1, feature t). Between steps the
+drafter's cache holds exactly the committed positions it has consumed; the target's
+features of newly committed positions wait in `seq.drafter_state["features"]` and are
+consumed ("caught up") at the start of the next proposal, then drafting continues from the
+drafter's own output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdecode.defaults import DEFAULT_MODEL_NAME
+from specdecode.engine.runner import ForwardEntry, build_attention
+from specdecode.errors import ConfigError, ModelLoadError
+from specdecode.models.config import ModelConfig
+from specdecode.models.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register, resolve_drafter_dir
+
+VARIANTS = ("eagle", "eagle3", "mtp")
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's low / middle / high taps (inputs of layers 2, L/2, L-3, HF hidden_states
+    numbering); small targets, where those collide, take evenly spread distinct layers."""
+    taps = (2, num_layers // 2, num_layers - 3)
+    if len(set(taps)) == 3 and min(taps) >= 1:
+        return taps
+    return tuple(sorted({1, max(1, num_layers // 2), max(1, num_layers - 1)}))
+
+
+@dataclasses.dataclass(slots=True)
+class EagleConfig:
+    variant: str
+    layer: ModelConfig  # the one decoder layer (target's width, heads, RoPE)
+    aux_layers: tuple[int, ...] = ()  # eagle3 taps
+    draft_vocab_size: int = 0  # eagle3 reduced vocabulary (0 = the target's)
+
+    def to_json(self) -> dict:
+        return {"architectures": ["SpecdecodeEagleDrafter"], "variant": self.variant,
+                "aux_hidden_state_layer_ids": list(self.aux_layers), "draft_vocab_size": self.draft_vocab_size,
+                "layer": self.layer.to_hf_dict()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "EagleConfig":
+        return cls(data["variant"], ModelConfig.from_hf_dict(data["layer"]), tuple(data["aux_hidden_state_layer_ids"]),
+                   data["draft_vocab_size"])
+
+
+class EagleDrafter(nn.Module):
+    def __init__(self, cfg: EagleConfig):
+        super().__init__()
+        if cfg.variant not in VARIANTS:
+            raise ConfigError(f"unknown EAGLE variant {cfg.variant!r}; accepted: {', '.join(VARIANTS)}")
+        self.cfg = cfg
+        d, eps = cfg.layer.hidden_size, cfg.layer.rms_norm_eps
+        normed = cfg.variant in ("eagle3", "mtp")
+        self.fuse = nn.Linear(len(cfg.aux_layers) * d, d, bias=False) if cfg.variant == "eagle3" else None
+        self.embed_norm = RMSNorm(d, eps) if normed else None
+        self.feature_norm = RMSNorm(d, eps) if normed else None
+        self.fc = nn.Linear(2 * d, d, bias=cfg.variant == "eagle")
+        self.layer = DecoderLayer(cfg.layer)
+        self.rotary = RotaryEmbedding(cfg.layer)
+        if cfg.variant == "eagle3":
+            self.norm = RMSNorm(d, eps)
+            self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # draft id -> target id offset
+
+    def features(self, raw: torch.Tensor) -> torch.Tensor:
+        """The target's raw feature (see `feature_source`) -> f_t [.., d]."""
+        return self.fuse(raw) if self.fuse is not None else raw
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, batch=None,
+                cache_k=None, cache_v=None) -> torch.Tensor:
+        """embeds, features [B, T, d] -> o [B, T, d]."""
+        if self.embed_norm is not None:
+            embeds, features = self.embed_norm(embeds), self.feature_norm(features)
+        x = self.fc(torch.cat([embeds, features], dim=-1))
+        cos, sin = self.rotary(positions, x.dtype)
+        return self.layer(x, cos, sin, batch, cache_k, cache_v)
+
+    def logits(self, out: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        """o [.., d] -> logits over the drafter's vocabulary (eagle3: the draft vocabulary)."""
+        if self.cfg.variant == "eagle":
+            return target.lm_head(out).float()
+        if self.cfg.variant == "mtp":
+            return target.lm_head(target.model.norm(out)).float()
+        return self.lm_head(self.norm(out)).float()
+
+    @property
+    def draft_to_target(self) -> torch.Tensor | None:
+        """[draft_vocab] target token id of each draft id (eagle3), else None."""
+        if self.cfg.variant != "eagle3":
+            return None
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+
+def feature_taps(variant: str, target_config: ModelConfig, aux_layers: tuple[int, ...]) -> tuple[int, ...]:
+    if variant == "eagle3":
+        return aux_layers
+    if variant == "mtp":
+        return (target_config.num_hidden_layers,)
+    return ()  # eagle reads the final-normed hidden state every forward returns
+
+
+def raw_features(variant: str, hidden: torch.Tensor, taps: dict[int, torch.Tensor], aux_layers) -> torch.Tensor:
+    """What the target gives the drafter per position: [B, T, d] (eagle3: [B, T, 3d])."""
+    if variant == "eagle3":
+        return torch.cat([taps[i] for i in aux_layers], dim=-1)
+    if variant == "mtp":
+        return next(iter(taps.values()))
+    return hidden
+
+
+def save_drafter(drafter: EagleDrafter, out: Path, target_dir: Path, report: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(drafter.cfg.to_json(), indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target_dir / name).is_file():
+            (out / name).write_bytes((target_dir / name).read_bytes())
+    if report is not None:
+        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
+    from safetensors.torch import load_file
+
+    try:
+        cfg = EagleConfig.from_json(json.loads((path / "config.json").read_text()))
+        state = load_file(str(path / "model.safetensors"))
+    except (OSError, KeyError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} is not an EAGLE/MTP drafter checkpoint: {e}") from None
+    drafter = EagleDrafter(cfg)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not m.startswith("rotary")]
+    if missing or unexpected:
+        raise ModelLoadError(f"{path}: weights do not fit the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
+    drafter.rotary = RotaryEmbedding(cfg.layer)
+    return drafter.to(device=device).to(dtype).eval().requires_grad_(False)
+
+
+class EagleProposer(ProposerBase):
+    variant = "eagle"
+
+    def __init__(self, ctx: ProposerContext):
+        path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-{self.variant}")
+        self.drafter = load_drafter(path, ctx.dtype, ctx.device)
+        if self.drafter.cfg.variant != self.variant:
+            raise ConfigError(f"speculative_config.model {str(path)!r} is a {self.drafter.cfg.variant!r} drafter, "
+                              f"not {self.variant!r}")
+        if self.drafter.cfg.layer.hidden_size != ctx.target.config.hidden_size:
+            raise ConfigError("speculative_config.model: the drafter's hidden size does not match the target's")
+        self.target = ctx.target
+        self.device = ctx.device
+        self.vocab_size = ctx.target.config.vocab_size
+        self.hidden_taps = feature_taps(self.variant, ctx.target.config, self.drafter.cfg.aux_layers)
+        self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + ctx.config.num_speculative_tokens + 2,
+                                ctx.dtype, ctx.device)
+
+    # ---- keeping the target's features of committed positions ---------------------------------
+
+    def _keep(self, seq, raw: torch.Tensor) -> None:
+        pending = seq.drafter_state.get("features")
+        seq.drafter_state["features"] = raw if pending is None else torch.cat([pending, raw])
+
+    def on_prefill(self, seqs, result) -> None:
+        raw = raw_features(self.variant, result.hidden, result.taps, self.drafter.cfg.aux_layers)
+        for b, seq in enumerate(seqs):
+            seq.drafter_state["features"] = raw[b, : len(seq.prompt_token_ids)]
+            seq.drafter_state["draft_cached"] = 0
+
+    def on_commit(self, seqs, draft, verified, result) -> None:
+        raw = raw_features(self.variant, result.hidden, result.taps, self.drafter.cfg.aux_layers)
+        accepted = verified.num_accepted.tolist()
+        path = verified.path.tolist() if verified.path is not None else None
+        for b, seq in enumerate(seqs):
+            # Features of the last committed token and of the accepted drafts (tree: along the path).
+            rows = [0] + ([1 + i for i in path[b][: accepted[b]]] if path is not None else list(range(1, 1 + accepted[b])))
+            self._keep(seq, raw[b, rows])
+
+    def release(self, seq) -> None:
+        seq.drafter_state.pop("features", None)
+
+    # ---- drafting -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
+        """Drafter forward over ragged entries; features[b] [T_b, d]. Returns o at each entry's last token [B, d]."""
+        input_ids, positions, batch = build_attention(entries, self.kv_cache.scratch_index, None, self.device)
+        B, T = input_ids.shape
+        feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
+        for b, f in enumerate(features):
+            feats[b, : f.shape[0]] = f
+        out = self.drafter(self.target.model.embed_tokens(input_ids), feats, positions, batch,
+                           self.kv_cache.k[0], self.kv_cache.v[0])
+        last = torch.tensor([len(e.token_ids) - 1 for e in entries], device=self.device)
+        return out[torch.arange(B, device=self.device), last]
+
+    def _distribution(self, out: torch.Tensor, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """o [A, d] -> (processed q over the target vocabulary [A, V], greedy target token ids [A])."""
+        logits = self.drafter.logits(out, self.target)  # [A, V or draft V]
+        d2t = self.drafter.draft_to_target
+        if d2t is not None:
+            full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
+            logits = full.index_copy(1, d2t, logits)
+        return process_logits(logits, sampling), logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
+        B, k = len(seqs), max(max_tokens)
+        token_ids = torch.full((B, k), -1, dtype=torch.long, device=self.device)
+        probs = torch.zeros(B, k, self.vocab_size, device=self.device)
+        confidence = torch.zeros(B, k, device=self.device)
+        active = [b for b in range(B) if max_tokens[b] > 0]
+        entries, feats = {}, {}
+        for b in active:
+            seq = seqs[b]
+            cached = seq.drafter_state["draft_cached"]
+            pending = self.drafter.features(seq.drafter_state.pop("features"))  # positions cached .. N-2
+            # Position t takes (token t+1, feature t): catch up on every committed position not yet consumed.
+            entries[b] = ForwardEntry(seq.slot, seq.token_ids[cached + 1:], start=cached)
+            feats[b] = pending
+            seq.drafter_state["draft_cached"] = seq.num_tokens - 1
+        for step in range(k):
+            if not active:
+                break
+            out = self._forward([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
+            rows = torch.tensor(active, device=self.device)
+            sub = SamplingBatch(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
+                                [sampling.generators[b] for b in active], sampling.all_greedy, sampling.needs_filter)
+            q, greedy = self._distribution(out, sub)
+            if sub.all_greedy:
+                chosen = greedy
+            else:
+                noise = exponential_noise(len(active), self.vocab_size, sub.generators, self.device)
+                chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), greedy)
+            token_ids[rows, step] = chosen
+            probs[rows, step] = q
+            confidence[rows, step] = q.max(dim=-1).values  # prefix-only: keeps D-Cut lossless
+            chosen_host = chosen.tolist()
+            still = []
+            for i, b in enumerate(active):
+                if step + 1 < max_tokens[b]:
+                    seq = seqs[b]
+                    # Next drafter position N-1+step takes (the token just drafted, the drafter's own output).
+                    entries[b] = ForwardEntry(seq.slot, [chosen_host[i]], start=seq.num_tokens - 1 + step)
+                    feats[b] = out[i: i + 1]
+                    still.append(b)
+            active = still
+        num = torch.tensor([min(m, k) for m in max_tokens], device=self.device)
+        return Draft(token_ids, num, probs, confidence)
+
+
+@register("eagle")
+class EagleOneProposer(EagleProposer):
+    variant = "eagle"
+
+
+@register("eagle3")
+class EagleThreeProposer(EagleProposer):
+    variant = "eagle3"
+
+
+@register("mtp")
+class MtpProposer(EagleProposer):
+    variant = "mtp"
