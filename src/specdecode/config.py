@@ -129,6 +129,9 @@ class SpeculativeConfig:
         size under the profiled cost model).
     verify_pruning: "none" or "dcut" (D-Cut: cut low-confidence draft positions batch-wide
         when verifying them costs more than they are expected to return).
+    tree_topk: branching of tree drafts (1 = a chain); tree_num_nodes: nodes per tree
+        (SGLang --speculative-eagle-topk / --speculative-num-draft-tokens; depth is
+        num_speculative_tokens, SGLang's --speculative-num-steps).
     """
 
     method: str
@@ -140,6 +143,8 @@ class SpeculativeConfig:
     draft_n_min: int = 0
     draft_length_schedule: str = "constant"
     verify_pruning: str = "none"
+    tree_topk: int = 1
+    tree_num_nodes: int = 16
 
     def __post_init__(self) -> None:
         import specdecode.spec.drafters  # noqa: F401  (registers the built-in methods)
@@ -159,6 +164,8 @@ class SpeculativeConfig:
         _check(self.draft_length_schedule in DRAFT_LENGTH_SCHEDULES, "draft_length_schedule",
                " or ".join(repr(s) for s in DRAFT_LENGTH_SCHEDULES))
         _check(self.verify_pruning in VERIFY_PRUNING, "verify_pruning", " or ".join(repr(s) for s in VERIFY_PRUNING))
+        _check(_is_int(self.tree_topk) and 1 <= self.tree_topk <= 16, "tree_topk", "an integer in [1, 16]")
+        _check(_is_int(self.tree_num_nodes) and 1 <= self.tree_num_nodes <= 256, "tree_num_nodes", "an integer in [1, 256]")
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.config import SpeculativeConfig
+from specdecode.errors import ConfigError
 from specdecode.engine.runner import ForwardEntry, ForwardResult
 from specdecode.engine.sequence import Sequence
 from specdecode.sampling import SamplingBatch, sample
@@ -40,6 +41,10 @@ class Speculator:
         ctx = ProposerContext(config=config, target=llm.model, target_dir=llm.config.model, tokenizer=llm.tokenizer,
                               num_slots=llm.config.max_num_seqs, max_len=llm.max_model_len, dtype=llm.dtype, device=llm.device)
         self.proposer = PROPOSERS[config.method](ctx)
+        if config.tree_topk > 1 and not getattr(self.proposer, "supports_tree", False):
+            tree_methods = sorted(m for m, cls in PROPOSERS.items() if getattr(cls, "supports_tree", False))
+            raise ConfigError(f"speculative_config.tree_topk > 1 (tree drafting) is not supported for method "
+                              f"{config.method!r}; methods with trees: {', '.join(tree_methods)}")
         self.depth = DepthController(config, cost_model_loader=lambda: load_or_profile(
             llm.runner, llm.config.model, max_batch=llm.config.max_num_seqs, max_width=config.num_speculative_tokens + 1))
         if self.depth.needs_cost_model:
@@ -111,6 +116,7 @@ class Speculator:
         return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling)
 
     def _verify_tree(self, seqs, draft: Draft, num_nodes: list[int], limits: list[int], sampling: SamplingBatch):
+        draft = draft.truncate(num_nodes)  # nodes past a row's count must never match in the walk
         tokens, parents = draft.token_ids.tolist(), draft.parents.tolist()
         entries, too_big, tree_depths = [], [], []
         for b, s in enumerate(seqs):

@@ -59,6 +59,7 @@ class DrafterTrainConfig:
     intermediate_size: int = 512
     # eagle3: reduced draft vocabulary (most frequent tokens)
     draft_vocab_size: int = 4096
+    medusa_heads: int = 4
 
     def __post_init__(self) -> None:
         self.target, self.out_dir, self.work_dir = Path(self.target), Path(self.out_dir), Path(self.work_dir)
@@ -210,7 +211,47 @@ def export_eagle(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None
     save_drafter(drafter, cfg.out_dir, cfg.target, report)
 
 
+# ---- Medusa ----------------------------------------------------------------------------------------
+
+def build_medusa(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
+    from specdecode.spec.drafters.medusa import MedusaHeads
+
+    return MedusaHeads(target.config.hidden_size, cfg.medusa_heads)
+
+
+def _medusa_logits(heads, target: LlamaForCausalLM, window: torch.Tensor):
+    B, T = window.shape
+    with torch.no_grad():
+        out = target(window, torch.arange(T, device=window.device).expand(B, T))
+        p_logits = target.compute_logits(out.hidden)  # [B, T, V]
+    return target.lm_head(heads(out.hidden)).float(), p_logits  # [B, T, K, V]
+
+
+def medusa_loss(heads, target, window) -> torch.Tensor:
+    """Head i (0-based) at position t predicts token t+i+2: soft CE against the target's
+    distribution at position t+i+1, weighted 0.8^i (Medusa-1 on a frozen target)."""
+    q_logits, p_logits = _medusa_logits(heads, target, window)
+    T = window.shape[1]
+    total = 0.0
+    for i in range(heads.num_heads):
+        n = T - (i + 1)
+        total = total + 0.8 ** i * _soft_ce(q_logits[:, :n, i], p_logits[:, i + 1: i + 1 + n], None)
+    return total
+
+
+def medusa_predict(heads, target, window):
+    q_logits, p_logits = _medusa_logits(heads, target, window)
+    return q_logits[:, :-1, 0], p_logits[:, 1:]
+
+
+def export_medusa(heads, target, cfg: DrafterTrainConfig, report: dict) -> None:
+    from specdecode.spec.drafters.medusa import save_heads
+
+    save_heads(heads, cfg.out_dir, cfg.target, report)
+
+
 RECIPES: dict[str, DrafterRecipe] = {
+    "medusa": DrafterRecipe(build_medusa, medusa_loss, medusa_predict, export_medusa),
     "draft_model": DrafterRecipe(build_draft_model, draft_model_loss, draft_model_predict, export_draft_model),
     **{m: DrafterRecipe(build_eagle, eagle_loss, eagle_predict, export_eagle) for m in ("eagle", "eagle3", "mtp")},
 }

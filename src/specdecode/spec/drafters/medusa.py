@@ -1,0 +1,143 @@
+"""Medusa: K extra heads on the target's last hidden state (METHODS.md 2.4).
+
+Head i (1-based) reads h_t, the final-normed hidden state at the last committed position,
+and predicts token t+i+1: `h + SiLU(W_i h)` (W_i zero-initialised, so a fresh head starts
+as the target's own next-token head), then the target's LM head (shared, which keeps a head
+at d^2 parameters instead of d x V).
+
+Drafts are deterministic (top-ranked tokens), so verification treats them as point masses:
+exact under sampling too. With `tree_topk` 1 the draft is a chain (top-1 of every head);
+with `tree_topk` > 1 it is a static tree: the `tree_num_nodes` paths of head ranks with the
+highest prior score, prod_d 1 / (rank_d + 2), expanded from the top `tree_topk` of each head.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdecode.defaults import DEFAULT_MODEL_NAME
+from specdecode.errors import ConfigError, ModelLoadError
+from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register, resolve_drafter_dir
+
+
+class MedusaHeads(nn.Module):
+    def __init__(self, hidden_size: int, num_heads: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
+        for block in self.blocks:  # residual blocks start as the identity
+            nn.init.zeros_(block.weight)
+            nn.init.zeros_(block.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [.., d] -> per-head states [.., K, d] (feed to the target's LM head)."""
+        return torch.stack([hidden + nn.functional.silu(block(hidden)) for block in self.blocks], dim=-2)
+
+
+def static_tree(num_heads: int, topk: int, num_nodes: int) -> list[tuple[int, ...]]:
+    """Paths of head ranks (rank of head 1, rank of head 2, ...) with the highest prior
+    prod 1/(rank+2), parents before children. topk 1 gives the chain (0,), (0, 0), ..."""
+    def score(path):
+        out = 1.0
+        for r in path:
+            out /= r + 2
+        return out
+
+    chosen, frontier = [], [(-score((r,)), (r,)) for r in range(topk)]
+    heapq.heapify(frontier)
+    while frontier and len(chosen) < num_nodes:
+        _, path = heapq.heappop(frontier)
+        chosen.append(path)
+        if len(path) < num_heads:
+            for r in range(topk):
+                heapq.heappush(frontier, (-score(path + (r,)), path + (r,)))
+    return sorted(chosen, key=lambda p: (len(p), p))  # by depth: parents come first
+
+
+def save_heads(heads: MedusaHeads, out: Path, target_dir: Path, report: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in heads.state_dict().items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = {"architectures": ["SpecdecodeMedusaHeads"], "medusa_num_heads": heads.num_heads,
+              "hidden_size": heads.blocks[0].in_features}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target_dir / name).is_file():
+            (out / name).write_bytes((target_dir / name).read_bytes())
+    if report is not None:
+        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def load_heads(path: Path, dtype, device) -> MedusaHeads:
+    from safetensors.torch import load_file
+
+    try:
+        config = json.loads((path / "config.json").read_text())
+        heads = MedusaHeads(config["hidden_size"], config["medusa_num_heads"])
+        heads.load_state_dict(load_file(str(path / "model.safetensors")))
+    except (OSError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} is not a Medusa checkpoint: {e}") from None
+    return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+@register("medusa")
+class MedusaProposer(ProposerBase):
+    supports_tree = True
+
+    def __init__(self, ctx: ProposerContext):
+        path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-medusa")
+        self.heads = load_heads(path, ctx.dtype, ctx.device)
+        depth = ctx.config.num_speculative_tokens
+        if depth > self.heads.num_heads:
+            raise ConfigError(f"speculative_config.num_speculative_tokens ({depth}) exceeds this Medusa "
+                              f"checkpoint's {self.heads.num_heads} heads")
+        if self.heads.blocks[0].in_features != ctx.target.config.hidden_size:
+            raise ConfigError("speculative_config.model: the Medusa heads' hidden size does not match the target's")
+        self.target = ctx.target
+        self.device = ctx.device
+        self.paths = static_tree(depth, ctx.config.tree_topk, ctx.config.tree_num_nodes)
+        index = {p: i for i, p in enumerate(self.paths)}
+        self.parents = [index.get(p[:-1], -1) for p in self.paths]
+        self.max_tree_depth = max(len(p) for p in self.paths)
+        self.is_chain = ctx.config.tree_topk == 1
+        # Gather plan: node i's token = rank paths[i][-1] of head len(paths[i]).
+        self.node_head = torch.tensor([len(p) - 1 for p in self.paths], device=ctx.device)
+        self.node_rank = torch.tensor([p[-1] for p in self.paths], device=ctx.device)
+        self.topk = ctx.config.tree_topk
+
+    def on_prefill(self, seqs, result) -> None:
+        for b, seq in enumerate(seqs):
+            seq.drafter_state["hidden"] = result.hidden[b, len(seq.prompt_token_ids) - 1]
+
+    def on_commit(self, seqs, draft, verified, result) -> None:
+        accepted = verified.num_accepted.tolist()
+        path = verified.path.tolist() if verified.path is not None else None
+        for b, seq in enumerate(seqs):
+            row = accepted[b] if path is None else (0 if accepted[b] == 0 else 1 + path[b][accepted[b] - 1])
+            seq.drafter_state["hidden"] = result.hidden[b, row]  # the last committed position's state
+
+    def release(self, seq) -> None:
+        seq.drafter_state.pop("hidden", None)
+
+    @torch.inference_mode()
+    def propose(self, seqs, max_tokens, sampling) -> Draft:
+        hidden = torch.stack([s.drafter_state["hidden"] for s in seqs])  # [B, d]
+        logits = self.target.lm_head(self.heads(hidden))  # [B, K, V]
+        ranked = logits.topk(self.topk, dim=-1).indices  # [B, K, topk]
+        tokens = ranked[:, self.node_head, self.node_rank]  # [B, nodes]
+        B, n = tokens.shape
+        if self.is_chain:
+            num = torch.tensor([min(m, n) for m in max_tokens], device=self.device)
+            cols = torch.arange(n, device=self.device)[None, :]
+            return Draft(torch.where(cols < num[:, None], tokens, -1), num)
+        # Trees deeper than a sequence's room are dropped by the speculator (decoded normally).
+        parents = torch.tensor(self.parents, device=self.device).expand(B, n)
+        num = torch.tensor([n if m > 0 else 0 for m in max_tokens], device=self.device)
+        return Draft(tokens, num, parents=parents.clone())
