@@ -71,3 +71,17 @@ def test_checkpoint_round_trip_and_variant_check(native_model, drafters, tmp_pat
     assert load_drafter(tmp_path / "again", torch.float32, "cpu").cfg.aux_layers == d.cfg.aux_layers
     with pytest.raises(ConfigError, match="'mtp' drafter, not 'eagle'"):
         LLM(native_model, dtype="float32", speculative_config={"method": "eagle", "model": str(drafters["mtp"])})
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_dynamic_tree_greedy_equals_plain(native_model, drafters, method):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
+    config = {"method": method, "model": str(drafters[method]), "num_speculative_tokens": 3, "tree_topk": 3,
+              "tree_num_nodes": 10}
+    spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=config).generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    sampled = SamplingParams(temperature=1.0, max_tokens=16, seed=1, ignore_eos=True)
+    a = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, sampled)
+    b = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, sampled)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]

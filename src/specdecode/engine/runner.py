@@ -23,7 +23,10 @@ class ForwardEntry:
     start: int  # cache column of the first new token (= tokens already cached)
     num_logits: int = 1  # logits for the last num_logits new tokens
     positions: list[int] | None = None  # RoPE positions; None = start, start+1, ... (chain)
-    tree_mask: torch.Tensor | None = None  # [T_i, T_i] bool among new tokens; None = causal
+    # [T_i, E + T_i] bool; None = causal. Columns: the E cache columns just before `start`
+    # (tree nodes written by an earlier forward, e.g. a drafter expanding a tree level by
+    # level), then the new tokens. Columns before start - E are the committed prefix, seen by all.
+    tree_mask: torch.Tensor | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,8 +57,9 @@ def build_attention(entries: list[ForwardEntry], scratch: int, sliding_window: i
         n = len(e.token_ids)
         if e.positions is not None:
             positions[b, :n] = torch.tensor(e.positions)
-        if e.tree_mask is not None:  # among the new tokens: itself and its ancestors only
-            mask[b, :n, e.start:e.start + n] = e.tree_mask
+        if e.tree_mask is not None:  # itself and its ancestors only
+            earlier = e.tree_mask.shape[1] - n
+            mask[b, :n, e.start - earlier:e.start + n] = e.tree_mask
     if sliding_window is not None:
         mask &= key_cols[None, None, :] > (positions[:, :, None] - sliding_window)
     mask = torch.where(real[:, :, None], mask, key_cols[None, None, :] == 0)

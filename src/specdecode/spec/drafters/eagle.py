@@ -166,6 +166,7 @@ def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
 
 class EagleProposer(ProposerBase):
     variant = "eagle"
+    supports_tree = True  # EAGLE-2 dynamic trees when tree_topk > 1
 
     def __init__(self, ctx: ProposerContext):
         path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-{self.variant}")
@@ -179,8 +180,12 @@ class EagleProposer(ProposerBase):
         self.device = ctx.device
         self.vocab_size = ctx.target.config.vocab_size
         self.hidden_taps = feature_taps(self.variant, ctx.target.config, self.drafter.cfg.aux_layers)
-        self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + ctx.config.num_speculative_tokens + 2,
-                                ctx.dtype, ctx.device)
+        self.topk, self.num_nodes = ctx.config.tree_topk, ctx.config.tree_num_nodes
+        self.depth = ctx.config.num_speculative_tokens
+        self.max_tree_depth = self.depth if self.topk > 1 else 0
+        # Drafting writes past the committed columns: k chain steps, or topk nodes per tree level.
+        extra = self.depth * max(1, self.topk) + 2
+        self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + extra, ctx.dtype, ctx.device)
 
     # ---- keeping the target's features of committed positions ---------------------------------
 
@@ -210,46 +215,63 @@ class EagleProposer(ProposerBase):
 
     @torch.inference_mode()
     def _forward(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
-        """Drafter forward over ragged entries; features[b] [T_b, d]. Returns o at each entry's last token [B, d]."""
+        """Drafter forward over ragged entries; features[b] [T_b, d]. Returns o [B, T, d] (padded)."""
         input_ids, positions, batch = build_attention(entries, self.kv_cache.scratch_index, None, self.device)
         B, T = input_ids.shape
         feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
         for b, f in enumerate(features):
             feats[b, : f.shape[0]] = f
-        out = self.drafter(self.target.model.embed_tokens(input_ids), feats, positions, batch,
-                           self.kv_cache.k[0], self.kv_cache.v[0])
+        return self.drafter(self.target.model.embed_tokens(input_ids), feats, positions, batch,
+                            self.kv_cache.k[0], self.kv_cache.v[0])
+
+    def _forward_last(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
+        """o at each entry's last token [B, d]."""
+        out = self._forward(entries, features)
         last = torch.tensor([len(e.token_ids) - 1 for e in entries], device=self.device)
-        return out[torch.arange(B, device=self.device), last]
+        return out[torch.arange(len(entries), device=self.device), last]
+
+    def _catch_up(self, seqs, active: list[int]) -> dict[int, tuple[ForwardEntry, torch.Tensor]]:
+        """Entries feeding every committed position the drafter has not consumed yet.
+        Position t takes (token t+1, feature t); afterwards positions .. N-2 are cached."""
+        first = {}
+        for b in active:
+            seq = seqs[b]
+            cached = seq.drafter_state["draft_cached"]
+            pending = self.drafter.features(seq.drafter_state.pop("features"))  # positions cached .. N-2
+            first[b] = (ForwardEntry(seq.slot, seq.token_ids[cached + 1:], start=cached), pending)
+            seq.drafter_state["draft_cached"] = seq.num_tokens - 1
+        return first
+
+    def _full_vocab_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """o [.., d] -> logits over the target vocabulary (eagle3: -inf outside the draft vocabulary)."""
+        logits = self.drafter.logits(out, self.target)
+        d2t = self.drafter.draft_to_target
+        if d2t is not None:
+            full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), device=logits.device)
+            logits = full.index_copy(logits.dim() - 1, d2t, logits)
+        return logits
 
     def _distribution(self, out: torch.Tensor, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """o [A, d] -> (processed q over the target vocabulary [A, V], greedy target token ids [A])."""
-        logits = self.drafter.logits(out, self.target)  # [A, V or draft V]
-        d2t = self.drafter.draft_to_target
-        if d2t is not None:
-            full = torch.full((logits.shape[0], self.vocab_size), float("-inf"), device=logits.device)
-            logits = full.index_copy(1, d2t, logits)
+        logits = self._full_vocab_logits(out)
         return process_logits(logits, sampling), logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
+        if self.topk > 1:
+            return self._propose_tree(seqs, max_tokens)
         B, k = len(seqs), max(max_tokens)
         token_ids = torch.full((B, k), -1, dtype=torch.long, device=self.device)
         probs = torch.zeros(B, k, self.vocab_size, device=self.device)
         confidence = torch.zeros(B, k, device=self.device)
         active = [b for b in range(B) if max_tokens[b] > 0]
-        entries, feats = {}, {}
-        for b in active:
-            seq = seqs[b]
-            cached = seq.drafter_state["draft_cached"]
-            pending = self.drafter.features(seq.drafter_state.pop("features"))  # positions cached .. N-2
-            # Position t takes (token t+1, feature t): catch up on every committed position not yet consumed.
-            entries[b] = ForwardEntry(seq.slot, seq.token_ids[cached + 1:], start=cached)
-            feats[b] = pending
-            seq.drafter_state["draft_cached"] = seq.num_tokens - 1
+        first = self._catch_up(seqs, active)
+        entries = {b: e for b, (e, _) in first.items()}
+        feats = {b: f for b, (_, f) in first.items()}
         for step in range(k):
             if not active:
                 break
-            out = self._forward([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
+            out = self._forward_last([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
             rows = torch.tensor(active, device=self.device)
             sub = SamplingBatch(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
                                 [sampling.generators[b] for b in active], sampling.all_greedy, sampling.needs_filter)
@@ -274,6 +296,71 @@ class EagleProposer(ProposerBase):
             active = still
         num = torch.tensor([min(m, k) for m in max_tokens], device=self.device)
         return Draft(token_ids, num, probs, confidence)
+
+
+    def _propose_tree(self, seqs, max_tokens) -> Draft:
+        """EAGLE-2 dynamic tree: expand the global top-k frontier (by cumulative log-probability)
+        for `depth` levels, then keep the best `tree_num_nodes` nodes. Scores never increase
+        along a path, so the kept set is a tree. Children are the drafter's top-k tokens, chosen
+        deterministically: the verifier treats them as point masses (exact under sampling)."""
+        B, K, D = len(seqs), self.topk, self.depth
+        active = [b for b in range(B) if max_tokens[b] > 0]
+        if not active:
+            return Draft.empty(B, self.device)
+        first = self._catch_up(seqs, active)
+        o_root = self._forward_last([first[b][0] for b in active], [first[b][1] for b in active])  # [A, d]
+        A = len(active)
+        scores, tokens = torch.log_softmax(self._full_vocab_logits(o_root), dim=-1).topk(K)  # [A, K]
+        all_tokens, all_scores, all_parents, all_depths = [tokens], [scores], [torch.full((A, K), -1)], [1] * K
+        frontier_index = torch.arange(K).expand(A, K)  # node indices of the frontier
+        frontier_feat = o_root[:, None, :].expand(A, K, o_root.shape[-1])
+        ancestors = torch.zeros(A, K, 0, dtype=torch.bool)  # [A, K, written] drafter columns each frontier node sees
+        written, num_made = 0, K
+        base = [seqs[b].num_tokens - 1 for b in active]  # first drafter column past the committed ones
+        for d in range(1, D):
+            token_host = tokens.tolist()
+            entries = [ForwardEntry(seqs[b].slot, token_host[a], start=base[a] + written,
+                                    positions=[base[a] - 1 + d] * K,
+                                    tree_mask=torch.cat([ancestors[a], torch.eye(K, dtype=torch.bool)], dim=1))
+                       for a, b in enumerate(active)]
+            o = self._forward(entries, [frontier_feat[a] for a in range(A)])[:, :K]  # [A, K, d]
+            child_scores, child_tokens = torch.log_softmax(self._full_vocab_logits(o), dim=-1).topk(K)  # [A, K, K]
+            cumulative = (scores[:, :, None] + child_scores).reshape(A, K * K)
+            all_tokens.append(child_tokens.reshape(A, K * K))
+            all_scores.append(cumulative)
+            all_parents.append(frontier_index.cpu()[:, :, None].expand(A, K, K).reshape(A, K * K))
+            all_depths += [d + 1] * (K * K)
+            scores, pick = cumulative.topk(K)  # the next frontier: global top-k of this level
+            parent_slot = (pick // K).cpu()
+            tokens = child_tokens.reshape(A, K * K).gather(1, pick)
+            frontier_index = num_made + pick.cpu()
+            frontier_feat = o.gather(1, (pick // K)[:, :, None].expand(-1, -1, o.shape[-1]))
+            own_column = torch.nn.functional.one_hot(parent_slot, K).bool()  # the parent's column in this level
+            ancestors = torch.cat([ancestors.gather(1, parent_slot[:, :, None].expand(-1, -1, written)), own_column], dim=2)
+            written += K
+            num_made += K * K
+        return self._select_tree(torch.cat(all_tokens, 1), torch.cat(all_scores, 1), torch.cat(all_parents, 1),
+                                 torch.tensor(all_depths), active, B)
+
+    def _select_tree(self, tokens, scores, parents, depths, active: list[int], B: int) -> Draft:
+        """Best `tree_num_nodes` nodes by score (ties: shallower first), ordered by depth."""
+        A, M = tokens.shape
+        n = min(self.num_nodes, M)
+        keep = (scores.cpu() - 1e-6 * depths[None, :]).topk(n).indices  # [A, n]
+        order = torch.argsort(depths[keep] * M + keep, dim=1)  # by depth, so parents precede children
+        keep = keep.gather(1, order)
+        new_position = torch.full((A, M), -2, dtype=torch.long)
+        new_position.scatter_(1, keep, torch.arange(n).expand(A, n))
+        kept_parents = parents.gather(1, keep)
+        remapped = torch.where(kept_parents >= 0, new_position.gather(1, kept_parents.clamp(min=0)), kept_parents)
+        out_tokens = torch.full((B, n), -1, dtype=torch.long)
+        out_parents = torch.full((B, n), -2, dtype=torch.long)
+        num = torch.zeros(B, dtype=torch.long)
+        rows = torch.tensor(active)
+        out_tokens[rows] = tokens.cpu().gather(1, keep)
+        out_parents[rows] = remapped
+        num[rows] = n
+        return Draft(out_tokens.to(self.device), num.to(self.device), parents=out_parents.to(self.device))
 
 
 @register("eagle")
