@@ -15,7 +15,8 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.runner import ForwardEntry, Runner
 from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
-from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+from specdecode.sampling import SamplingBatch
+from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.proposer import (Draft, ProposerBase, ProposerContext, check_same_vocabulary, register,
                                       resolve_drafter_dir)
 
@@ -36,15 +37,9 @@ class DraftModelProposer(ProposerBase):
         self.device = ctx.device
 
     def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
-        B, k = len(seqs), max(max_tokens)
-        V = self.model.config.vocab_size
-        token_ids = torch.full((B, k), -1, dtype=torch.long, device=self.device)
-        probs = torch.zeros(B, k, V, device=self.device)
-        # Confidence of position i = the drafter's top probability there: it depends on the
-        # prefix only, not on the token drawn at i, which keeps D-Cut pruning lossless.
-        confidence = torch.zeros(B, k, device=self.device)
-        num = [0] * B
-        active = [b for b in range(B) if max_tokens[b] > 0]
+        k = max(max_tokens)
+        chain = ChainDraft(len(seqs), k, self.model.config.vocab_size, self.device, self.p_min)
+        active = [b for b in range(len(seqs)) if max_tokens[b] > 0]
         # First forward: catch up on committed tokens the drafter has not seen.
         entries = {}
         for b in active:
@@ -57,38 +52,16 @@ class DraftModelProposer(ProposerBase):
             if not active:
                 break
             result = self.runner.forward([entries[b] for b in active])
-            rows = torch.tensor(active, device=self.device)
-            sub = SamplingBatch(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
-                                [sampling.generators[b] for b in active], sampling.all_greedy, sampling.needs_filter)
-            logits = result.logits[:, 0]  # [A, V]
-            q = process_logits(logits, sub)  # [A, V]
-            greedy = logits.argmax(dim=-1)
-            if sub.all_greedy:
-                chosen = greedy
-            else:
-                noise = exponential_noise(len(active), V, sub.generators, self.device)
-                chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), greedy)
-            token_ids[rows, step] = chosen
-            probs[rows, step] = q
-            top_prob = q.max(dim=-1).values
-            confidence[rows, step] = top_prob
-            chosen_host = chosen.tolist()
-            # p_min (llama.cpp): stop at the first token the drafter is unsure of, dropping it.
-            confident = (top_prob >= self.p_min).tolist() if self.p_min > 0 else [True] * len(active)
+            chosen = chain.add_step(active, step, result.logits[:, 0], sampling)
             still = []
-            for i, b in enumerate(active):
-                if not confident[i]:
-                    token_ids[b, step] = -1
-                    continue
-                num[b] += 1
-                if num[b] < max_tokens[b]:
+            for b, token in zip(active, chosen):
+                if token >= 0 and step + 1 < max_tokens[b]:
                     seq = seqs[b]
-                    start = seq.num_tokens + num[b] - 1
-                    entries[b] = ForwardEntry(seq.slot, [chosen_host[i]], start=start)
-                    seq.drafter_state["draft_fed"] = num[b]
+                    entries[b] = ForwardEntry(seq.slot, [token], start=seq.num_tokens + step)
+                    seq.drafter_state["draft_fed"] = step + 1
                     still.append(b)
             active = still
-        return Draft(token_ids, torch.tensor(num, device=self.device), probs, confidence)
+        return chain.result()
 
     def on_commit(self, seqs, draft, verified, result) -> None:
         accepted = verified.num_accepted.tolist()

@@ -34,7 +34,8 @@ from specdecode.engine.runner import ForwardEntry, build_attention
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding
-from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+from specdecode.sampling import SamplingBatch
+from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register, resolve_drafter_dir
 
 VARIANTS = ("eagle", "eagle3", "mtp")
@@ -181,6 +182,7 @@ class EagleProposer(ProposerBase):
         self.vocab_size = ctx.target.config.vocab_size
         self.hidden_taps = feature_taps(self.variant, ctx.target.config, self.drafter.cfg.aux_layers)
         self.topk, self.num_nodes = ctx.config.tree_topk, ctx.config.tree_num_nodes
+        self.p_min = ctx.config.draft_p_min
         self.depth = ctx.config.num_speculative_tokens
         self.max_tree_depth = self.depth if self.topk > 1 else 0
         # Drafting writes past the committed columns: k chain steps, or topk nodes per tree level.
@@ -251,19 +253,12 @@ class EagleProposer(ProposerBase):
             logits = full.index_copy(logits.dim() - 1, d2t, logits)
         return logits
 
-    def _distribution(self, out: torch.Tensor, sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """o [A, d] -> (processed q over the target vocabulary [A, V], greedy target token ids [A])."""
-        logits = self._full_vocab_logits(out)
-        return process_logits(logits, sampling), logits.argmax(dim=-1)
-
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
         if self.topk > 1:
             return self._propose_tree(seqs, max_tokens)
         B, k = len(seqs), max(max_tokens)
-        token_ids = torch.full((B, k), -1, dtype=torch.long, device=self.device)
-        probs = torch.zeros(B, k, self.vocab_size, device=self.device)
-        confidence = torch.zeros(B, k, device=self.device)
+        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min)
         active = [b for b in range(B) if max_tokens[b] > 0]
         first = self._catch_up(seqs, active)
         entries = {b: e for b, (e, _) in first.items()}
@@ -272,31 +267,17 @@ class EagleProposer(ProposerBase):
             if not active:
                 break
             out = self._forward_last([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
-            rows = torch.tensor(active, device=self.device)
-            sub = SamplingBatch(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
-                                [sampling.generators[b] for b in active], sampling.all_greedy, sampling.needs_filter)
-            q, greedy = self._distribution(out, sub)
-            if sub.all_greedy:
-                chosen = greedy
-            else:
-                noise = exponential_noise(len(active), self.vocab_size, sub.generators, self.device)
-                chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), greedy)
-            token_ids[rows, step] = chosen
-            probs[rows, step] = q
-            confidence[rows, step] = q.max(dim=-1).values  # prefix-only: keeps D-Cut lossless
-            chosen_host = chosen.tolist()
+            chosen = chain.add_step(active, step, self._full_vocab_logits(out), sampling)
             still = []
-            for i, b in enumerate(active):
-                if step + 1 < max_tokens[b]:
+            for i, (b, token) in enumerate(zip(active, chosen)):
+                if token >= 0 and step + 1 < max_tokens[b]:
                     seq = seqs[b]
                     # Next drafter position N-1+step takes (the token just drafted, the drafter's own output).
-                    entries[b] = ForwardEntry(seq.slot, [chosen_host[i]], start=seq.num_tokens - 1 + step)
+                    entries[b] = ForwardEntry(seq.slot, [token], start=seq.num_tokens - 1 + step)
                     feats[b] = out[i: i + 1]
                     still.append(b)
             active = still
-        num = torch.tensor([min(m, k) for m in max_tokens], device=self.device)
-        return Draft(token_ids, num, probs, confidence)
-
+        return chain.result()
 
     def _propose_tree(self, seqs, max_tokens) -> Draft:
         """EAGLE-2 dynamic tree: expand the global top-k frontier (by cumulative log-probability)

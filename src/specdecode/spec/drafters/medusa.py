@@ -111,6 +111,7 @@ class MedusaProposer(ProposerBase):
         self.node_head = torch.tensor([len(p) - 1 for p in self.paths], device=ctx.device)
         self.node_rank = torch.tensor([p[-1] for p in self.paths], device=ctx.device)
         self.topk = ctx.config.tree_topk
+        self.p_min = ctx.config.draft_p_min
 
     def on_prefill(self, seqs, result) -> None:
         for b, seq in enumerate(seqs):
@@ -135,6 +136,9 @@ class MedusaProposer(ProposerBase):
         B, n = tokens.shape
         if self.is_chain:
             num = torch.tensor([min(m, n) for m in max_tokens], device=self.device)
+            if self.p_min > 0:  # llama.cpp p_min: stop at the first head that is unsure of its top token
+                sure = logits.softmax(dim=-1).amax(dim=-1)[:, :n] >= self.p_min  # [B, n]
+                num = torch.minimum(num, sure.long().cumprod(dim=1).sum(dim=1))
             cols = torch.arange(n, device=self.device)[None, :]
             return Draft(torch.where(cols < num[:, None], tokens, -1), num)
         # Trees deeper than a sequence's room are dropped by the speculator (decoded normally).

@@ -1,0 +1,53 @@
+"""Building an autoregressive chain draft one step at a time (draft_model, eagle, eagle3, mtp)."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+from specdecode.spec.proposer import Draft
+
+
+class ChainDraft:
+    """Buffers of a chain draft for a batch of B sequences, k steps at most.
+
+    Each step samples (or takes the argmax of) the drafter's processed distribution q for the
+    still-active rows and records q, since rejection sampling needs the exact q the token
+    was drawn from. Confidence = the drafter's top probability at that position: it depends on
+    the prefix only, never on the token drawn, which keeps D-Cut pruning lossless.
+    p_min (llama.cpp): a row stops at the first position whose top probability is below
+    p_min, and that token is dropped.
+    """
+
+    def __init__(self, batch_size: int, k: int, vocab_size: int, device, p_min: float = 0.0):
+        self.token_ids = torch.full((batch_size, k), -1, dtype=torch.long, device=device)  # [B, k]
+        self.probs = torch.zeros(batch_size, k, vocab_size, device=device)  # [B, k, V]
+        self.confidence = torch.zeros(batch_size, k, device=device)  # [B, k]
+        self.num = [0] * batch_size
+        self.device = device
+        self.p_min = p_min
+
+    def add_step(self, active: list[int], step: int, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
+        """logits [A, V] of the active rows -> the drafted token of each active row (-1 = stopped by p_min)."""
+        rows = torch.tensor(active, device=self.device)
+        sub = SamplingBatch(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
+                            [sampling.generators[b] for b in active], sampling.all_greedy, sampling.needs_filter)
+        q = process_logits(logits, sub)  # [A, V]
+        chosen = logits.argmax(dim=-1)
+        if not sub.all_greedy:
+            noise = exponential_noise(len(active), logits.shape[-1], sub.generators, self.device)
+            chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), chosen)
+        top = q.max(dim=-1).values
+        self.probs[rows, step] = q
+        self.confidence[rows, step] = top
+        if self.p_min > 0:
+            chosen = torch.where(top >= self.p_min, chosen, torch.full_like(chosen, -1))
+        self.token_ids[rows, step] = chosen
+        chosen_host = chosen.tolist()
+        for b, token in zip(active, chosen_host):
+            if token >= 0:
+                self.num[b] += 1
+        return chosen_host
+
+    def result(self) -> Draft:
+        return Draft(self.token_ids, torch.tensor(self.num, device=self.device), self.probs, self.confidence)
