@@ -85,3 +85,33 @@ def test_dynamic_tree_greedy_equals_plain(native_model, drafters, method):
     a = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, sampled)
     b = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, sampled)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
+
+
+def test_export_speculators_layout_and_load_back(native_model, drafters, tmp_path):
+    import json
+
+    from safetensors import safe_open
+
+    from specdecode.cli import main
+
+    out = tmp_path / "spec"
+    assert main(["export", "--format", "speculators", "--drafter", str(drafters["eagle3"]), "--target",
+                 str(native_model), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
+    assert config["draft_vocab_size"] == 200 and config["vocab_size"] == 320
+    assert config["speculators_model_type"] == "eagle3" and config["speculators_config"]["algorithm"] == "eagle3"
+    ours = load_drafter(drafters["eagle3"], torch.float32, "cpu")
+    assert [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == list(ours.cfg.aux_layers)
+    d = config["hidden_size"]
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["fc.weight"] == (d, len(ours.cfg.aux_layers) * d) and len(ours.cfg.aux_layers) == 3
+    assert shapes["layers.0.self_attn.q_proj.weight"][1] == 2 * d  # q/k/v read [embedding ; feature]
+    assert shapes["lm_head.weight"] == (200, d) and shapes["d2t"] == (200,) and shapes["t2d"] == (320,)
+    for name in ("layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight", "norm.weight"):
+        assert name in shapes
+    back = load_drafter(out, torch.float32, "cpu")
+    for (ka, va), (kb, vb) in zip(sorted(ours.state_dict().items()), sorted(back.state_dict().items())):
+        assert ka == kb and torch.equal(va.to(torch.bfloat16).float() if va.is_floating_point() else va,
+                                        vb.float() if vb.is_floating_point() else vb)

@@ -108,3 +108,28 @@ def test_tree_speculation_equals_plain_decoding(native_model):
     accepted = sum(o.metrics.num_accepted_tokens for o in spec)
     assert accepted > 0.5 * sum(o.metrics.num_draft_tokens for o in spec)  # the true branch is found
     assert max(o.metrics.mean_acceptance_length for o in spec) > 2
+
+
+def test_cache_after_committing_a_tree_path_equals_sequential_decode(native_model):
+    from specdecode.engine.runner import ForwardEntry, Runner
+    from specdecode.models.loader import load_model
+    from specdecode.spec.tree import compact_accepted
+
+    model = load_model(native_model, torch.float32)
+    cpu = torch.device("cpu")
+    tree_runner = Runner(model, num_slots=2, max_len=64, dtype=torch.float32, device=cpu)
+    prefix = [5, 17, 99, 42]
+    tree_runner.forward([ForwardEntry(1, prefix[:-1], start=0)])
+    # Root = prefix[-1]; nodes: 0:(7, root) 1:(9, root) 2:(11, node 1) 3:(13, node 0) 4:(15, node 2)
+    parents, tokens = [-1, -1, 1, 0, 2], [7, 9, 11, 13, 15]
+    depths = node_depths(parents)
+    start = len(prefix) - 1
+    tree_runner.forward([ForwardEntry(1, [prefix[-1]] + tokens, start=start, num_logits=6,
+                                      positions=[start + d for d in [0] + depths], tree_mask=tree_attention_mask(parents))])
+    path = torch.tensor([[1, 2, 4]])  # accept 9 -> 11 -> 15
+    compact_accepted(tree_runner.kv_cache, torch.tensor([1]), torch.tensor([start]), path, torch.tensor([3]))
+    seq_runner = Runner(model, num_slots=2, max_len=64, dtype=torch.float32, device=cpu)
+    seq_runner.forward([ForwardEntry(1, prefix + [9, 11, 15], start=0)])
+    n = len(prefix) + 3
+    for a, b in zip(tree_runner.kv_cache.k + tree_runner.kv_cache.v, seq_runner.kv_cache.k + seq_runner.kv_cache.v):
+        torch.testing.assert_close(a[1, :n], b[1, :n], atol=1e-5, rtol=1e-5)

@@ -247,6 +247,29 @@ def _run_profile(args) -> int:
     return 0
 
 
+def _add_export(sub) -> None:
+    p = sub.add_parser("export", help="write a drafter in another engine's checkpoint layout",
+                       description="--format speculators: an EAGLE-3 drafter in the speculators / vLLM layout "
+                       "(LlamaForCausalLMEagle3 config, fc / layers.0.* / norm / lm_head / d2t / t2d).")
+    p.add_argument("--format", required=True, choices=["speculators"])
+    p.add_argument("--drafter", required=True, help="the EAGLE-3 drafter directory to export")
+    p.add_argument("--target", default=None, help="its target model (default: the embedded model)")
+    p.add_argument("--out", required=True, help="output directory")
+    p.set_defaults(func=_run_export)
+
+
+def _run_export(args) -> int:
+    import torch
+
+    from specdecode.defaults import default_model_dir
+    from specdecode.spec.drafters.eagle import export_speculators, load_drafter
+
+    drafter = load_drafter(Path(args.drafter), torch.float32, "cpu")
+    export_speculators(drafter, Path(args.target) if args.target else default_model_dir(), Path(args.out))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specdecode", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -257,6 +280,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_serve(sub)
     _add_profile(sub)
+    _add_export(sub)
     return parser
 
 

@@ -123,13 +123,14 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, input_size: int | None = None):
         super().__init__()
         d, h, kvh, hd = config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, hd
-        self.q_proj = nn.Linear(d, h * hd, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(d, kvh * hd, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(d, kvh * hd, bias=config.qkv_bias)
+        d_in = input_size or d  # EAGLE-3's layer reads a 2d input
+        self.q_proj = nn.Linear(d_in, h * hd, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(d_in, kvh * hd, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(d_in, kvh * hd, bias=config.qkv_bias)
         self.o_proj = nn.Linear(h * hd, d, bias=config.o_bias)
         if config.qk_norm:
             self.q_norm = RMSNorm(hd, config.rms_norm_eps)
@@ -189,15 +190,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, attn_input_size: int | None = None):
         super().__init__()
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, attn_input_size)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch=None, cache_k=None, cache_v=None) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache_k, cache_v)
+    def forward(self, x, cos, sin, batch=None, cache_k=None, cache_v=None, attn_input=None) -> torch.Tensor:
+        """x [B, T, d] is the residual stream. `attn_input` replaces input_layernorm(x) as what
+        attention reads (EAGLE-3: [norm(embedding) ; norm(feature)], 2d wide)."""
+        h = self.input_layernorm(x) if attn_input is None else attn_input
+        x = x + self.self_attn(h, cos, sin, batch, cache_k, cache_v)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -136,8 +136,15 @@ def build_eagle(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=
         for name, p in drafter.named_parameters():
             if p.dim() >= 2:
                 torch.nn.init.normal_(p, 0.0, 0.02)
-        # Start the decoder layer from the target's last layer: it already speaks the target's features.
-        drafter.layer.load_state_dict(target.model.layers[-1].state_dict())
+        # Start the decoder layer from the target's last layer: it already speaks the target's features
+        # (EAGLE-3's 2d-wide q/k/v start from the feature half of that layer's projections).
+        source = target.model.layers[-1].state_dict()
+        for name, value in drafter.layer.state_dict().items():
+            if source[name].shape == value.shape:
+                value.copy_(source[name])
+            else:
+                value.zero_()
+                value[..., value.shape[-1] - source[name].shape[-1]:].copy_(source[name])
         if cfg.method == "eagle3":
             # Reduced draft vocabulary: the most frequent corpus tokens (EAGLE-3's d2t / t2d maps).
             counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=tc.vocab_size)

@@ -2,8 +2,11 @@
 
 One module, three variants (METHODS.md 2.5, 2.6), built from the project's DecoderLayer:
 
-    x_t  = fc([e(tok_{t+1}) ; f_t])          # 2d -> d; EAGLE-3 / MTP RMS-normalise both halves
-    o_t  = DecoderLayer(x_t)                  # attends to earlier drafter positions (own KV cache)
+    eagle, mtp:  x_t = fc([e(tok_{t+1}) ; f_t])       2d -> d (mtp RMS-normalises both halves)
+                 o_t = DecoderLayer(x_t)
+    eagle3:      o_t = DecoderLayer(residual f_t, attention input [norm(e(tok_{t+1})) ; norm(f_t)])
+                 (the reference EAGLE-3 "midlayer": q/k/v read 2d, the feature is the residual)
+    every layer attends to earlier drafter positions through the drafter's own KV cache;
     tokens from o_t:  eagle: target LM head;  mtp: target final norm + LM head;
                       eagle3: own norm + own LM head over a reduced draft vocabulary (d2t map)
 
@@ -44,10 +47,10 @@ VARIANTS = ("eagle", "eagle3", "mtp")
 def default_aux_layers(num_layers: int) -> tuple[int, ...]:
     """EAGLE-3's low / middle / high taps (inputs of layers 2, L/2, L-3, HF hidden_states
     numbering); small targets, where those collide, take evenly spread distinct layers."""
-    taps = (2, num_layers // 2, num_layers - 3)
-    if len(set(taps)) == 3 and min(taps) >= 1:
-        return taps
-    return tuple(sorted({1, max(1, num_layers // 2), max(1, num_layers - 1)}))
+    for taps in ((2, num_layers // 2, num_layers - 3), (1, num_layers // 2, num_layers - 1)):
+        if len(set(taps)) == 3 and min(taps) >= 1:
+            return taps
+    return tuple(range(min(3, num_layers + 1)))  # tiny targets: embedding output and the first layers
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,30 +78,34 @@ class EagleDrafter(nn.Module):
             raise ConfigError(f"unknown EAGLE variant {cfg.variant!r}; accepted: {', '.join(VARIANTS)}")
         self.cfg = cfg
         d, eps = cfg.layer.hidden_size, cfg.layer.rms_norm_eps
-        normed = cfg.variant in ("eagle3", "mtp")
-        self.fuse = nn.Linear(len(cfg.aux_layers) * d, d, bias=False) if cfg.variant == "eagle3" else None
-        self.embed_norm = RMSNorm(d, eps) if normed else None
-        self.feature_norm = RMSNorm(d, eps) if normed else None
-        self.fc = nn.Linear(2 * d, d, bias=cfg.variant == "eagle")
-        self.layer = DecoderLayer(cfg.layer)
         self.rotary = RotaryEmbedding(cfg.layer)
+        if cfg.variant == "mtp":
+            self.embed_norm, self.feature_norm = RMSNorm(d, eps), RMSNorm(d, eps)
         if cfg.variant == "eagle3":
+            self.fc = nn.Linear(len(cfg.aux_layers) * d, d, bias=False)  # fuses the low/mid/high taps
+            self.hidden_norm = RMSNorm(d, eps)
+            self.layer = DecoderLayer(cfg.layer, attn_input_size=2 * d)
             self.norm = RMSNorm(d, eps)
             self.lm_head = nn.Linear(d, cfg.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))  # draft id -> target id offset
+        else:
+            self.fc = nn.Linear(2 * d, d, bias=cfg.variant == "eagle")  # [embedding ; feature] -> d
+            self.layer = DecoderLayer(cfg.layer)
 
     def features(self, raw: torch.Tensor) -> torch.Tensor:
-        """The target's raw feature (see `feature_source`) -> f_t [.., d]."""
-        return self.fuse(raw) if self.fuse is not None else raw
+        """The target's raw feature (see `raw_features`) -> f_t [.., d]."""
+        return self.fc(raw) if self.cfg.variant == "eagle3" else raw
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor, batch=None,
                 cache_k=None, cache_v=None) -> torch.Tensor:
         """embeds, features [B, T, d] -> o [B, T, d]."""
-        if self.embed_norm is not None:
+        cos, sin = self.rotary(positions, features.dtype)
+        if self.cfg.variant == "eagle3":
+            attn_input = torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+            return self.layer(features, cos, sin, batch, cache_k, cache_v, attn_input=attn_input)
+        if self.cfg.variant == "mtp":
             embeds, features = self.embed_norm(embeds), self.feature_norm(features)
-        x = self.fc(torch.cat([embeds, features], dim=-1))
-        cos, sin = self.rotary(positions, x.dtype)
-        return self.layer(x, cos, sin, batch, cache_k, cache_v)
+        return self.layer(self.fc(torch.cat([embeds, features], dim=-1)), cos, sin, batch, cache_k, cache_v)
 
     def logits(self, out: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
         """o [.., d] -> logits over the drafter's vocabulary (eagle3: the draft vocabulary)."""
@@ -148,12 +155,76 @@ def save_drafter(drafter: EagleDrafter, out: Path, target_dir: Path, report: dic
         (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
 
+# ---- the speculators / vLLM EAGLE-3 layout (METHODS.md 2.5) ------------------------------------
+
+def _speculators_names(name: str) -> str:
+    """Our EAGLE-3 parameter name -> the speculators layout's."""
+    if name.startswith("layer."):
+        return "layers.0." + name[len("layer."):]
+    if name.startswith("hidden_norm."):
+        return "layers.0.hidden_norm." + name[len("hidden_norm."):]
+    return name
+
+
+def export_speculators(drafter: EagleDrafter, target_dir: Path, out: Path) -> None:
+    """Write an EAGLE-3 drafter as a speculators checkpoint: a Llama config with
+    architectures ["LlamaForCausalLMEagle3"], one layer, draft and target vocabulary sizes,
+    the auxiliary layer ids (ids of the layers whose *outputs* are tapped), and weights
+    fc / layers.0.* / norm / lm_head plus the d2t offsets and the t2d mask."""
+    from safetensors.torch import save_file
+
+    if drafter.cfg.variant != "eagle3":
+        raise ConfigError(f"--format speculators exports EAGLE-3 drafters; this one is {drafter.cfg.variant!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    state = {_speculators_names(k): v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
+             for k, v in drafter.state_dict().items()}
+    target_config = ModelConfig.from_dir(target_dir)
+    t2d = torch.zeros(target_config.vocab_size, dtype=torch.bool)
+    t2d[drafter.draft_to_target] = True
+    state["t2d"] = t2d
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    layer = drafter.cfg.layer.to_hf_dict()
+    aux_outputs = [i - 1 for i in drafter.cfg.aux_layers]  # HF hidden_states index i = output of layer i-1
+    config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
+              "draft_vocab_size": drafter.cfg.draft_vocab_size, "vocab_size": target_config.vocab_size,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_outputs},
+              "speculators_model_type": "eagle3",
+              "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
+                  {"proposal_type": "greedy", "speculative_tokens": 5}], "default_proposal_method": "greedy",
+                  "verifier": {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]}}}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target_dir / name).is_file():
+            (out / name).write_bytes((target_dir / name).read_bytes())
+
+
+def _from_speculators(data: dict, state: dict) -> tuple[EagleConfig, dict]:
+    layer = ModelConfig.from_hf_dict({**data, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    aux = tuple(i + 1 for i in data["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+    cfg = EagleConfig("eagle3", layer, aux, data["draft_vocab_size"])
+    ours = {}
+    for k, v in state.items():
+        if k == "t2d":
+            continue
+        if k.startswith("layers.0.hidden_norm."):
+            k = "hidden_norm." + k[len("layers.0.hidden_norm."):]
+        elif k.startswith("layers.0."):
+            k = "layer." + k[len("layers.0."):]
+        ours[k] = v
+    return cfg, ours
+
+
 def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
+    """Our checkpoint layout, or an EAGLE-3 checkpoint in the speculators layout."""
     from safetensors.torch import load_file
 
     try:
-        cfg = EagleConfig.from_json(json.loads((path / "config.json").read_text()))
+        data = json.loads((path / "config.json").read_text())
         state = load_file(str(path / "model.safetensors"))
+        if data.get("speculators_model_type") == "eagle3":
+            cfg, state = _from_speculators(data, state)
+        else:
+            cfg = EagleConfig.from_json(data)
     except (OSError, KeyError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path} is not an EAGLE/MTP drafter checkpoint: {e}") from None
     drafter = EagleDrafter(cfg)
