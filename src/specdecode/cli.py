@@ -60,7 +60,8 @@ def _add_model_args(p, speculative: bool = True) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     if speculative:
         p.add_argument("--speculative-config", default=None, metavar="JSON",
-                       help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (keys: README)')
+                       help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (keys: README); '
+                       '"none" = plain decoding; unset = the default model\'s best measured drafter (plain for other models)')
 
 
 def _add_generate(sub) -> None:
@@ -86,8 +87,10 @@ def _run_generate(args) -> int:
     from specdecode import LLM, SamplingParams
     from specdecode.tokenizer import IncrementalDetokenizer
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-              max_num_seqs=1)
+    from specdecode.defaults import cli_speculative_config
+
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+              speculative_config=cli_speculative_config(args.speculative_config, args.model), max_num_seqs=1)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     prompt = args.prompt
@@ -211,7 +214,10 @@ def _add_serve(sub) -> None:
 def _run_serve(args) -> int:
     from specdecode.server.serve import serve
 
-    serve(args.host, args.port, model=args.model, speculative_config=args.speculative_config, dtype=args.dtype,
+    from specdecode.defaults import cli_speculative_config
+
+    serve(args.host, args.port, model=args.model, speculative_config=cli_speculative_config(args.speculative_config, args.model),
+          dtype=args.dtype,
           device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
           api_key=args.api_key, served_model_name=args.served_model_name)
     return 0

@@ -37,3 +37,18 @@ def is_default_model(path: str | Path) -> bool:
         return Path(path).resolve() == default_model_dir().resolve()
     except ModelLoadError:
         return False
+
+
+# The default model's best measured speculative configuration at batch 1 (BENCHMARKS.md):
+# what `specdecode generate` and `specdecode serve` use when no --speculative-config is given.
+BEST_SPECULATIVE_CONFIG = {"method": "draft_model", "num_speculative_tokens": 3}
+
+
+def cli_speculative_config(value: str | None, model: str | None):
+    """--speculative-config: JSON, "none" (plain decoding), or unset = the default model's best
+    measured configuration (plain decoding for other models)."""
+    if value is None:
+        return dict(BEST_SPECULATIVE_CONFIG) if model is None else None
+    if value.strip().lower() == "none":
+        return None
+    return value
