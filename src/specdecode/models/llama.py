@@ -149,17 +149,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q = self.q_norm(q)
+        q = apply_rope(q, cos, sin)
+        k, v = self.project_kv(x, cos, sin)
 
         mask = batch.attn_mask if batch is not None else None
         if cache_k is not None:
-            rows = batch.slot_ids[:, None]  # [B, 1]
-            cache_k[rows, batch.write_indices] = k
-            cache_v[rows, batch.write_indices] = v
+            write_kv(cache_k, cache_v, batch, k, v)
             S = batch.num_keys
             if batch.slot_range is not None:
                 a, b = batch.slot_range
@@ -175,6 +172,24 @@ class Attention(nn.Module):
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, d_in] -> k, v [B, T, kv_heads, head_dim] (k with RoPE). DFlash also uses it
+        to turn the target's context states into every draft layer's keys and values."""
+        B, T, _ = x.shape
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return apply_rope(k, cos, sin), v
+
+
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, batch: AttentionBatch, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store k, v [B, T, kv_heads, head_dim] at each sequence's slot and write columns."""
+    rows = batch.slot_ids[:, None]  # [B, 1]
+    cache_k[rows, batch.write_indices] = k.to(cache_k.dtype)  # no-op when dtypes match (always, outside autocast)
+    cache_v[rows, batch.write_indices] = v.to(cache_v.dtype)
 
 
 class MLP(nn.Module):

@@ -60,6 +60,9 @@ class DrafterTrainConfig:
     # eagle3: reduced draft vocabulary (most frequent tokens)
     draft_vocab_size: int = 4096
     medusa_heads: int = 4
+    # dflash
+    block_size: int = 8
+    dflash_layers: int = 2
 
     def __post_init__(self) -> None:
         self.target, self.out_dir, self.work_dir = Path(self.target), Path(self.out_dir), Path(self.work_dir)
@@ -257,7 +260,92 @@ def export_medusa(heads, target, cfg: DrafterTrainConfig, report: dict) -> None:
     save_heads(heads, cfg.out_dir, cfg.target, report)
 
 
+# ---- DFlash ------------------------------------------------------------------------------------
+
+def build_dflash(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
+    from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
+    from specdecode.tokenizer import Tokenizer
+
+    tc = target.config
+    mask_id = Tokenizer(cfg.target).mask_token_id
+    if mask_id is None:
+        raise ValueError("the target's tokenizer_config.json names no mask_token: DFlash needs a reserved mask id")
+    layers = dataclasses.replace(tc, num_hidden_layers=cfg.dflash_layers)
+    drafter = DFlashDrafter(DFlashConfig(layers, cfg.block_size, default_target_layers(tc.num_hidden_layers), mask_id))
+    with torch.no_grad():
+        torch.nn.init.normal_(drafter.fc.weight, 0.0, 0.02)
+        for i, layer in enumerate(drafter.layers):  # start from the target's last layers
+            layer.load_state_dict(target.model.layers[tc.num_hidden_layers - cfg.dflash_layers + i].state_dict())
+        drafter.norm.load_state_dict(target.model.norm.state_dict())
+    return drafter
+
+
+def dflash_block_mask(anchors: torch.Tensor, block: int, context_len: int) -> torch.Tensor:
+    """[B, 1, m*block, context_len + m*block] bool training mask: block i (anchor a_i) sees the
+    context strictly before a_i, every position of its own block, and no other block."""
+    B, m = anchors.shape
+    n = m * block
+    block_of = torch.arange(n, device=anchors.device) // block  # [n]
+    anchor_of = anchors[:, block_of]  # [B, n]
+    context = torch.arange(context_len, device=anchors.device)[None, None, :] < anchor_of[:, :, None]  # [B, n, C]
+    same_block = (block_of[:, None] == block_of[None, :]).expand(B, n, n)
+    return torch.cat([context, same_block], dim=2)[:, None]
+
+
+def _dflash_forward(drafter, target: LlamaForCausalLM, window: torch.Tensor, anchors_per_seq: int):
+    from specdecode.models.llama import AttentionBatch, KVCache
+
+    B, T = window.shape
+    block = drafter.cfg.block_size
+    device = window.device
+    with torch.no_grad():
+        out = target(window, torch.arange(T, device=device).expand(B, T), hidden_taps=drafter.cfg.target_layer_ids)
+        p_logits = target.compute_logits(out.hidden)
+        raw = torch.cat([out.taps[i] for i in drafter.cfg.target_layer_ids], dim=-1)
+    m = anchors_per_seq
+    anchors = torch.stack([torch.randperm(T - block, device=device)[:m] + 1 for _ in range(B)]).sort(dim=1).values  # [B, m]
+    n = m * block
+    cache = KVCache(drafter.cfg.layers, B, T + n, torch.float32, device)
+    slots = torch.arange(B, device=device)
+    context_batch = AttentionBatch(None, slots, torch.arange(T, device=device).expand(B, T), T)
+    drafter.write_context(drafter.context(raw), torch.arange(T, device=device).expand(B, T), context_batch, cache)
+    j = torch.arange(n, device=device) % block  # position inside the block
+    positions = anchors.repeat_interleave(block, dim=1) + j  # [B, n]
+    ids = torch.where(j == 0, window.gather(1, positions), torch.full_like(positions, drafter.cfg.mask_token_id))
+    batch = AttentionBatch(dflash_block_mask(anchors, block, T), slots, (T + torch.arange(n, device=device)).expand(B, n),
+                           T + n, (0, B))
+    hidden = drafter(target.model.embed_tokens(ids), positions, batch, cache)  # [B, n, d]
+    q_logits = target.lm_head(hidden).float()
+    # Block position j >= 1 (token a + j) is judged against the target's distribution at a + j - 1.
+    labels = p_logits.gather(1, (positions - 1).clamp(min=0)[:, :, None].expand(-1, -1, p_logits.shape[-1]))
+    keep = j >= 1
+    return q_logits[:, keep], labels[:, keep], j[keep]
+
+
+def dflash_loss(drafter, target, window) -> torch.Tensor:
+    """Soft CE per block position, weighted exp(-(k-1)/gamma), gamma 7 for blocks of 16, 4 for 8."""
+    q_logits, p_logits, j = _dflash_forward(drafter, target, window, anchors_per_seq=max(1, window.shape[1] // 32))
+    gamma = 7.0 if drafter.cfg.block_size >= 16 else 4.0
+    weights = torch.exp(-(j.float() - 1) / gamma)
+    per_token = -(p_logits.float().softmax(-1) * torch.log_softmax(q_logits, dim=-1)).sum(-1)  # [B, n]
+    return (per_token * weights).sum() / (weights.sum() * per_token.shape[0])
+
+
+def dflash_predict(drafter, target, window):
+    """First draft position of each block (token a + 1) vs the target."""
+    q_logits, p_logits, j = _dflash_forward(drafter, target, window, anchors_per_seq=max(1, window.shape[1] // 32))
+    first = j == 1
+    return q_logits[:, first], p_logits[:, first]
+
+
+def export_dflash(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
+    from specdecode.spec.drafters.dflash import save_dflash
+
+    save_dflash(drafter, cfg.out_dir, cfg.target, report)
+
+
 RECIPES: dict[str, DrafterRecipe] = {
+    "dflash": DrafterRecipe(build_dflash, dflash_loss, dflash_predict, export_dflash),
     "medusa": DrafterRecipe(build_medusa, medusa_loss, medusa_predict, export_medusa),
     "draft_model": DrafterRecipe(build_draft_model, draft_model_loss, draft_model_predict, export_draft_model),
     **{m: DrafterRecipe(build_eagle, eagle_loss, eagle_predict, export_eagle) for m in ("eagle", "eagle3", "mtp")},

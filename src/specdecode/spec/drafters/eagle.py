@@ -39,7 +39,8 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
-from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register, resolve_drafter_dir
+from specdecode.spec.drafters.features import TargetFeatureBuffer
+from specdecode.spec.proposer import Draft, ProposerContext, register, resolve_drafter_dir
 
 VARIANTS = ("eagle", "eagle3", "mtp")
 
@@ -236,7 +237,7 @@ def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
     return drafter.to(device=device).to(dtype).eval().requires_grad_(False)
 
 
-class EagleProposer(ProposerBase):
+class EagleProposer(TargetFeatureBuffer):
     variant = "eagle"
     supports_tree = True  # EAGLE-2 dynamic trees when tree_topk > 1
 
@@ -260,29 +261,8 @@ class EagleProposer(ProposerBase):
         extra = self.depth * max(1, self.topk) + 2
         self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + extra, ctx.dtype, ctx.device)
 
-    # ---- keeping the target's features of committed positions ---------------------------------
-
-    def _keep(self, seq, raw: torch.Tensor) -> None:
-        pending = seq.drafter_state.get("features")
-        seq.drafter_state["features"] = raw if pending is None else torch.cat([pending, raw])
-
-    def on_prefill(self, seqs, result) -> None:
-        raw = raw_features(self.variant, result.hidden, result.taps, self.drafter.cfg.aux_layers)
-        for b, seq in enumerate(seqs):
-            seq.drafter_state["features"] = raw[b, : len(seq.prompt_token_ids)]
-            seq.drafter_state["draft_cached"] = 0
-
-    def on_commit(self, seqs, draft, verified, result) -> None:
-        raw = raw_features(self.variant, result.hidden, result.taps, self.drafter.cfg.aux_layers)
-        accepted = verified.num_accepted.tolist()
-        path = verified.path.tolist() if verified.path is not None else None
-        for b, seq in enumerate(seqs):
-            # Features of the last committed token and of the accepted drafts (tree: along the path).
-            rows = [0] + ([1 + i for i in path[b][: accepted[b]]] if path is not None else list(range(1, 1 + accepted[b])))
-            self._keep(seq, raw[b, rows])
-
-    def release(self, seq) -> None:
-        seq.drafter_state.pop("features", None)
+    def target_features(self, result) -> torch.Tensor:
+        return raw_features(self.variant, result.hidden, result.taps, self.drafter.cfg.aux_layers)
 
     # ---- drafting -------------------------------------------------------------------------------
 
@@ -309,10 +289,8 @@ class EagleProposer(ProposerBase):
         first = {}
         for b in active:
             seq = seqs[b]
-            cached = seq.drafter_state["draft_cached"]
-            pending = self.drafter.features(seq.drafter_state.pop("features"))  # positions cached .. N-2
-            first[b] = (ForwardEntry(seq.slot, seq.token_ids[cached + 1:], start=cached), pending)
-            seq.drafter_state["draft_cached"] = seq.num_tokens - 1
+            cached, pending = self.take_pending(seq)  # positions cached .. N-2
+            first[b] = (ForwardEntry(seq.slot, seq.token_ids[cached + 1:], start=cached), self.drafter.features(pending))
         return first
 
     def _full_vocab_logits(self, out: torch.Tensor) -> torch.Tensor:

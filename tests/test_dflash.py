@@ -1,0 +1,72 @@
+"""DFlash block drafter: training mask, training signal, lossless serving."""
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import ConfigError
+from specdecode.models.loader import load_model
+from specdecode.train.drafter import RECIPES, DrafterTrainConfig, dflash_block_mask
+
+PROMPTS = [{"prompt_token_ids": p} for p in ([5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3], [42], [100, 101, 102])]
+
+
+def test_block_mask_on_a_hand_made_example():
+    mask = dflash_block_mask(torch.tensor([[2, 5]]), block=2, context_len=7)[0, 0].int()
+    expected = torch.tensor([
+        # context 0..6         block0 block1
+        [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # block 0 (anchor 2), anchor token
+        [1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 0],  # block 0, mask token: bidirectional inside the block
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1],  # block 1 (anchor 5) sees context 0..4 only
+        [1, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1],
+    ])
+    assert torch.equal(mask, expected)
+
+
+@pytest.fixture(scope="module")
+def dflash_dir(native_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("dflash")
+    target = load_model(native_model, torch.float32)
+    cfg = DrafterTrainConfig(method="dflash", target=native_model, out_dir=root / "d", work_dir=root / "w", block_size=4,
+                             dflash_layers=1)
+    recipe = RECIPES["dflash"]
+    torch.manual_seed(0)
+    drafter = recipe.build(target, cfg)
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
+    losses = []
+    for _ in range(25):
+        loss = recipe.loss(drafter, target, torch.randint(3, 320, (4, 64)))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert sum(losses[-5:]) < sum(losses[:5])
+    recipe.export(drafter, target, cfg, {})
+    return root / "d"
+
+
+def test_dflash_greedy_equals_plain(native_model, dflash_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
+    config = {"method": "dflash", "model": str(dflash_dir), "num_speculative_tokens": 3}
+    spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=config).generate(PROMPTS, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
+    single = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config=config).generate(PROMPTS[1], params)
+    assert single[0].token_ids == plain[1].token_ids
+
+
+def test_dflash_sampling_is_seeded_and_batch_independent(native_model, dflash_dir):
+    config = {"method": "dflash", "model": str(dflash_dir), "num_speculative_tokens": 3}
+    seeded = SamplingParams(temperature=1.0, max_tokens=16, seed=4, ignore_eos=True)
+    alone = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config=config).generate(PROMPTS[0], seeded)
+    others = SamplingParams(temperature=0.6, max_tokens=16, ignore_eos=True)
+    mixed = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=config).generate(
+        PROMPTS, [seeded, others, others, others])
+    assert mixed[0].token_ids == alone[0].token_ids
+
+
+def test_dflash_block_bounds_k(native_model, dflash_dir):
+    with pytest.raises(ConfigError, match="block_size - 1"):
+        LLM(native_model, dtype="float32", speculative_config={"method": "dflash", "model": str(dflash_dir),
+                                                               "num_speculative_tokens": 4})
