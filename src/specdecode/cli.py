@@ -124,7 +124,8 @@ def _add_train_drafter(sub) -> None:
     p = sub.add_parser("train-drafter", help="train a drafter for a target model (default: the embedded model)",
                        description="Train a drafter against the target's own distribution (soft labels computed "
                        "on the fly on the stdlib corpus), then export it in HF layout next to the target.")
-    p.add_argument("--method", required=True, choices=["draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash"], help="which drafter to train")
+    p.add_argument("--method", required=True, choices=["draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark"],
+                   help="which drafter to train")
     p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
     p.add_argument("--out", default=None, help="export dir (default: models/<target>-<method suffix>)")
     p.add_argument("--work-dir", default=None, help="checkpoints (default: runs/train-drafter-<method>)")
@@ -138,7 +139,8 @@ def _add_train_drafter(sub) -> None:
     p.add_argument("--draft-vocab-size", type=int, default=4096, help="eagle3: reduced draft vocabulary size")
     p.add_argument("--medusa-heads", type=int, default=4, help="medusa: number of heads")
     p.add_argument("--block-size", type=int, default=8, help="dflash: block size (drafts = block - 1)")
-    p.add_argument("--dflash-layers", type=int, default=2, help="dflash: draft layers")
+    p.add_argument("--dflash-layers", type=int, default=2, help="dflash / dspark: draft layers")
+    p.add_argument("--markov-rank", type=int, default=128, help="dspark: rank of the Markov (bigram) head")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint-minutes", type=float, default=5.0)
     p.add_argument("--device", default="auto")
@@ -161,6 +163,7 @@ def _run_train_drafter(args) -> int:
         checkpoint_minutes=args.checkpoint_minutes, device=args.device, num_layers=args.layers,
         intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab_size,
         medusa_heads=args.medusa_heads, block_size=args.block_size, dflash_layers=args.dflash_layers,
+        markov_rank=args.markov_rank,
     )
     print(json.dumps(train_drafter(cfg, resume=args.resume), indent=2))
     return 0

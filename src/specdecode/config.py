@@ -129,6 +129,10 @@ class SpeculativeConfig:
         size under the profiled cost model).
     verify_pruning: "none" or "dcut" (D-Cut: cut low-confidence draft positions batch-wide
         when verifying them costs more than they are expected to return).
+    confidence_threshold: verify only the draft prefix whose cumulative confidence (product
+        of the drafter's per-position confidences) stays at or above it. 0 = off.
+    dspark_block_size: DSpark's draft block gamma (verify window gamma + 1); sets
+        num_speculative_tokens for method dspark.
     tree_topk: branching of tree drafts (1 = a chain); tree_num_nodes: nodes per tree
         (SGLang --speculative-eagle-topk / --speculative-num-draft-tokens; depth is
         num_speculative_tokens, SGLang's --speculative-num-steps).
@@ -145,6 +149,8 @@ class SpeculativeConfig:
     verify_pruning: str = "none"
     tree_topk: int = 1
     tree_num_nodes: int = 16
+    confidence_threshold: float = 0.0
+    dspark_block_size: int | None = None
 
     def __post_init__(self) -> None:
         import specdecode.spec.drafters  # noqa: F401  (registers the built-in methods)
@@ -165,6 +171,13 @@ class SpeculativeConfig:
                " or ".join(repr(s) for s in DRAFT_LENGTH_SCHEDULES))
         _check(self.verify_pruning in VERIFY_PRUNING, "verify_pruning", " or ".join(repr(s) for s in VERIFY_PRUNING))
         _check(_is_int(self.tree_topk) and 1 <= self.tree_topk <= 16, "tree_topk", "an integer in [1, 16]")
+        _check(isinstance(self.confidence_threshold, (int, float)) and 0 <= self.confidence_threshold < 1,
+               "confidence_threshold", "a number in [0, 1)")
+        if self.dspark_block_size is not None:
+            _check(self.method == "dspark", "dspark_block_size", "only with method 'dspark'")
+            _check(_is_int(self.dspark_block_size) and 1 <= self.dspark_block_size <= 64, "dspark_block_size",
+                   "an integer in [1, 64]")
+            self.num_speculative_tokens = self.dspark_block_size
         _check(_is_int(self.tree_num_nodes) and 1 <= self.tree_num_nodes <= 256, "tree_num_nodes", "an integer in [1, 256]")
 
     @classmethod

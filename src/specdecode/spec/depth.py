@@ -28,6 +28,7 @@ class DepthController:
         self.schedule = config.draft_length_schedule
         self.n_min = config.draft_n_min
         self.pruning = config.verify_pruning
+        self.confidence_threshold = config.confidence_threshold
         self.estimator = AcceptanceEstimator(self.k)
         self.draft_step_time = 0.0  # EMA of seconds per drafting step (one token for every sequence)
         self._cost_model_loader = cost_model_loader
@@ -58,6 +59,17 @@ class DepthController:
     def verify_lengths(self, num_tokens: list[int], confidence: list[list[float]] | None) -> list[int]:
         """How many of each sequence's drafts go to verification (n_min, then D-Cut)."""
         lengths = [0 if n < self.n_min else n for n in num_tokens]
+        if self.confidence_threshold > 0 and max(lengths, default=0) > 0:
+            # The confident prefix: cumulative confidence (prefix-only, so lossless) above the threshold.
+            conf = confidence if confidence is not None else self.estimator.confidence(len(lengths))
+            for q, n in enumerate(lengths):
+                survival, keep = 1.0, 0
+                for i in range(n):
+                    survival *= conf[q][i]
+                    if survival < self.confidence_threshold:
+                        break
+                    keep += 1
+                lengths[q] = keep
         if self.pruning == "dcut" and max(lengths, default=0) > 0:
             conf = confidence if confidence is not None else self.estimator.confidence(len(lengths))
             lengths = dcut_lengths(conf, lengths, self.cost, self.draft_step_time * max(num_tokens))

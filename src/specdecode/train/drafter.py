@@ -60,9 +60,10 @@ class DrafterTrainConfig:
     # eagle3: reduced draft vocabulary (most frequent tokens)
     draft_vocab_size: int = 4096
     medusa_heads: int = 4
-    # dflash
+    # dflash / dspark
     block_size: int = 8
     dflash_layers: int = 2
+    markov_rank: int = 128
 
     def __post_init__(self) -> None:
         self.target, self.out_dir, self.work_dir = Path(self.target), Path(self.out_dir), Path(self.work_dir)
@@ -76,6 +77,7 @@ class DrafterRecipe:
     loss: Callable  # (drafter, target, window [B, T]) -> scalar loss
     predict: Callable  # (drafter, target, window) -> (drafter logits, target logits) [B, T', V], aligned
     export: Callable  # (drafter, target, cfg, report) -> None
+    finalize: Callable | None = None  # (drafter, target, val_tokens, cfg, device) -> report entries (calibration)
 
 
 # ---- draft_model -------------------------------------------------------------------------------
@@ -292,7 +294,11 @@ def dflash_block_mask(anchors: torch.Tensor, block: int, context_len: int) -> to
     return torch.cat([context, same_block], dim=2)[:, None]
 
 
-def _dflash_forward(drafter, target: LlamaForCausalLM, window: torch.Tensor, anchors_per_seq: int):
+def _block_states(drafter, target: LlamaForCausalLM, window: torch.Tensor, anchors_per_seq: int):
+    """The DFlash training pass: random anchors, all blocks packed in one forward under
+    `dflash_block_mask`. Returns, for block positions j >= 1: the drafter's normed states
+    [B, n, d], the target's logits at a + j - 1 (its distribution of token a + j) [B, n, V],
+    j [n], and the true previous token x_{a+j-1} [B, n] (DSpark's Markov head input)."""
     from specdecode.models.llama import AttentionBatch, KVCache
 
     B, T = window.shape
@@ -315,27 +321,34 @@ def _dflash_forward(drafter, target: LlamaForCausalLM, window: torch.Tensor, anc
     batch = AttentionBatch(dflash_block_mask(anchors, block, T), slots, (T + torch.arange(n, device=device)).expand(B, n),
                            T + n, (0, B))
     hidden = drafter(target.model.embed_tokens(ids), positions, batch, cache)  # [B, n, d]
-    q_logits = target.lm_head(hidden).float()
-    # Block position j >= 1 (token a + j) is judged against the target's distribution at a + j - 1.
     labels = p_logits.gather(1, (positions - 1).clamp(min=0)[:, :, None].expand(-1, -1, p_logits.shape[-1]))
+    previous = window.gather(1, (positions - 1).clamp(min=0))
     keep = j >= 1
-    return q_logits[:, keep], labels[:, keep], j[keep]
+    return hidden[:, keep], labels[:, keep], j[keep], previous[:, keep]
+
+
+def _position_weighted(per_token: torch.Tensor, j: torch.Tensor, gamma: float) -> torch.Tensor:
+    weights = torch.exp(-(j.float() - 1) / gamma)
+    return (per_token * weights).sum() / (weights.sum() * per_token.shape[0])
+
+
+def _anchors(window: torch.Tensor) -> int:
+    return max(1, window.shape[1] // 32)
 
 
 def dflash_loss(drafter, target, window) -> torch.Tensor:
     """Soft CE per block position, weighted exp(-(k-1)/gamma), gamma 7 for blocks of 16, 4 for 8."""
-    q_logits, p_logits, j = _dflash_forward(drafter, target, window, anchors_per_seq=max(1, window.shape[1] // 32))
+    hidden, p_logits, j, _ = _block_states(drafter, target, window, _anchors(window))
+    q_logits = target.lm_head(hidden).float()
     gamma = 7.0 if drafter.cfg.block_size >= 16 else 4.0
-    weights = torch.exp(-(j.float() - 1) / gamma)
-    per_token = -(p_logits.float().softmax(-1) * torch.log_softmax(q_logits, dim=-1)).sum(-1)  # [B, n]
-    return (per_token * weights).sum() / (weights.sum() * per_token.shape[0])
+    return _position_weighted(-(p_logits.float().softmax(-1) * torch.log_softmax(q_logits, dim=-1)).sum(-1), j, gamma)
 
 
 def dflash_predict(drafter, target, window):
     """First draft position of each block (token a + 1) vs the target."""
-    q_logits, p_logits, j = _dflash_forward(drafter, target, window, anchors_per_seq=max(1, window.shape[1] // 32))
+    hidden, p_logits, j, _ = _block_states(drafter, target, window, _anchors(window))
     first = j == 1
-    return q_logits[:, first], p_logits[:, first]
+    return target.lm_head(hidden[:, first]).float(), p_logits[:, first]
 
 
 def export_dflash(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
@@ -344,7 +357,93 @@ def export_dflash(drafter, target, cfg: DrafterTrainConfig, report: dict) -> Non
     save_dflash(drafter, cfg.out_dir, cfg.target, report)
 
 
+# ---- DSpark ------------------------------------------------------------------------------------
+
+def build_dspark(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
+    from specdecode.spec.drafters.dspark import DSparkConfig, DSparkDrafter
+
+    backbone = build_dflash(target, cfg)
+    drafter = DSparkDrafter(DSparkConfig(backbone.cfg, cfg.markov_rank), target.config.vocab_size)
+    drafter.load_state_dict(backbone.state_dict(), strict=False)
+    return drafter
+
+
+def _dspark_terms(drafter, target, window):
+    hidden, p_logits, j, previous = _block_states(drafter, target, window, _anchors(window))
+    q_logits = drafter.markov_logits(target.lm_head(hidden).float(), previous)
+    p = p_logits.float().softmax(-1)
+    q = q_logits.softmax(-1)
+    tv = 0.5 * (p - q).abs().sum(-1)  # [B, n]
+    conf_logit = drafter.confidence_logit(hidden, previous)
+    return q_logits, p_logits, p, tv, conf_logit, j
+
+
+def dspark_loss(drafter, target, window) -> torch.Tensor:
+    """0.1 soft CE + 0.9 TV + 1.0 BCE(confidence, 1 - TV), positions weighted exp(-(j-1)/4)."""
+    q_logits, _, p, tv, conf_logit, j = _dspark_terms(drafter, target, window)
+    ce = -(p * torch.log_softmax(q_logits, dim=-1)).sum(-1)
+    bce = F.binary_cross_entropy_with_logits(conf_logit, (1 - tv).detach(), reduction="none")
+    return _position_weighted(0.1 * ce + 0.9 * tv + bce, j, 4.0)
+
+
+def dspark_predict(drafter, target, window):
+    q_logits, p_logits, _, _, _, j = _dspark_terms(drafter, target, window)
+    first = j == 1
+    return q_logits[:, first], p_logits[:, first]
+
+
+@torch.no_grad()
+def calibrate_dspark(drafter, target, val: np.ndarray, cfg: DrafterTrainConfig, device) -> dict:
+    """Per-position temperature on the confidence logit, fitted left to right so that the
+    cumulative product a_j matches the survival prod_{i<=j} (1 - TV_i) on held-out windows
+    (BCE on a grid of temperatures). Reports the expected calibration error before / after."""
+    drafter.eval()
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    logits, survival = [], []
+    block = drafter.cfg.block_size
+    for _ in range(cfg.eval_windows):
+        window = sample_windows(val, 1, cfg.context, gen).to(device)
+        _, _, _, tv, conf_logit, j = _dspark_terms(drafter, target, window)
+        per_block = block - 1
+        logits.append(conf_logit.reshape(-1, per_block))  # [blocks, B-1]
+        survival.append(torch.cumprod(1 - tv.reshape(-1, per_block), dim=1))
+    logits, survival = torch.cat(logits), torch.cat(survival)
+    grid = torch.tensor([0.25, 0.35, 0.5, 0.7, 1.0, 1.4, 2.0, 2.8, 4.0])
+    temps, prefix = [], torch.ones(logits.shape[0])
+    for pos in range(logits.shape[1]):
+        candidates = prefix[:, None] * torch.sigmoid(logits[:, pos, None] / grid[None, :])  # [N, grid]
+        target_s = survival[:, pos, None].expand_as(candidates)
+        loss = F.binary_cross_entropy(candidates.clamp(1e-6, 1 - 1e-6), target_s, reduction="none").mean(0)
+        best = int(loss.argmin())
+        temps.append(float(grid[best]))
+        prefix = candidates[:, best]
+    before = expected_calibration_error(torch.cumprod(torch.sigmoid(logits), dim=1), survival)
+    drafter.dspark.confidence_temperatures = temps
+    after = expected_calibration_error(torch.cumprod(torch.sigmoid(logits / torch.tensor(temps)), dim=1), survival)
+    drafter.train()
+    return {"confidence_temperatures": temps, "ece_before_calibration": before, "ece_after_calibration": after}
+
+
+def expected_calibration_error(predicted: torch.Tensor, actual: torch.Tensor, bins: int = 10) -> float:
+    """Mean |mean prediction - mean outcome| over equal-width prediction bins, weighted by bin size."""
+    predicted, actual = predicted.flatten(), actual.flatten()
+    index = (predicted * bins).long().clamp(max=bins - 1)
+    total = 0.0
+    for b in range(bins):
+        sel = index == b
+        if sel.any():
+            total += sel.float().mean().item() * abs(predicted[sel].mean().item() - actual[sel].mean().item())
+    return total
+
+
+def export_dspark(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
+    from specdecode.spec.drafters.dspark import save_dspark
+
+    save_dspark(drafter, cfg.out_dir, cfg.target, report)
+
+
 RECIPES: dict[str, DrafterRecipe] = {
+    "dspark": DrafterRecipe(build_dspark, dspark_loss, dspark_predict, export_dspark, calibrate_dspark),
     "dflash": DrafterRecipe(build_dflash, dflash_loss, dflash_predict, export_dflash),
     "medusa": DrafterRecipe(build_medusa, medusa_loss, medusa_predict, export_medusa),
     "draft_model": DrafterRecipe(build_draft_model, draft_model_loss, draft_model_predict, export_draft_model),
@@ -429,6 +528,8 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     bar.close()
     ckpt.save(drafter, opt, data_gen, step)
     after = evaluate_agreement(recipe, drafter, target, val_tokens, cfg, device, dtype)
+    if recipe.finalize is not None:
+        after.update(recipe.finalize(drafter, target, val_tokens, cfg, device))
     report = {
         "method": cfg.method, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
         "wall_seconds": ckpt.elapsed(), "parameters": sum(p.numel() for p in drafter.parameters()),

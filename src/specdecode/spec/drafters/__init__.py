@@ -1,3 +1,3 @@
 """Built-in proposers; importing this package registers them by method name."""
 
-from specdecode.spec.drafters import dflash, draft_model, eagle, medusa, ngram  # noqa: F401
+from specdecode.spec.drafters import dflash, draft_model, dspark, eagle, medusa, ngram  # noqa: F401

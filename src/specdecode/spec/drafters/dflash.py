@@ -121,9 +121,14 @@ def load_dflash(path: Path, dtype, device) -> DFlashDrafter:
 
 @register("dflash")
 class DFlashProposer(TargetFeatureBuffer):
+    default_checkpoint = f"{DEFAULT_MODEL_NAME}-dflash"
+
+    def _load(self, ctx: ProposerContext, path: Path) -> DFlashDrafter:
+        return load_dflash(path, ctx.dtype, ctx.device)
+
     def __init__(self, ctx: ProposerContext):
-        path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-dflash")
-        self.drafter = load_dflash(path, ctx.dtype, ctx.device)
+        path = resolve_drafter_dir(ctx, self.default_checkpoint)
+        self.drafter = self._load(ctx, path)
         cfg = self.drafter.cfg
         if ctx.config.num_speculative_tokens > cfg.block_size - 1:
             raise ConfigError(f"speculative_config.num_speculative_tokens ({ctx.config.num_speculative_tokens}) exceeds "
@@ -140,13 +145,9 @@ class DFlashProposer(TargetFeatureBuffer):
     def target_features(self, result) -> torch.Tensor:
         return torch.cat([result.taps[i] for i in self.drafter.cfg.target_layer_ids], dim=-1)
 
-    @torch.inference_mode()
-    def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
-        B, k = len(seqs), max(max_tokens)
-        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min)
-        active = [b for b in range(B) if max_tokens[b] > 0]
-        if not active:
-            return chain.result()
+    def block_pass(self, seqs, active: list[int]) -> torch.Tensor:
+        """Consume pending context, then one bidirectional pass over [x_{N-1}, MASK x (B-1)] at
+        positions N-1 ... Returns the normed block states [A, B, d]; state j >= 1 gives token N-1+j."""
         block = self.drafter.cfg.block_size
         mask_id = self.drafter.cfg.mask_token_id
         # 1. Context K/V of the committed positions not consumed yet (positions cached .. N-2).
@@ -163,14 +164,22 @@ class DFlashProposer(TargetFeatureBuffer):
             for i, c in enumerate(contexts):
                 padded[i, : c.shape[0]] = c
             self.drafter.write_context(padded, positions, batch, self.kv_cache)
-        # 2. One bidirectional pass over [x_{N-1}, MASK x (B-1)] at positions N-1 ...
+        # 2. The block pass (its columns are overwritten by the next proposal's context).
         entries = [ForwardEntry(seqs[b].slot, [seqs[b].last_token_id] + [mask_id] * (block - 1),
                                 start=seqs[b].num_tokens - 1, tree_mask=torch.ones(block, block, dtype=torch.bool))
                    for b in active]
         input_ids, positions, batch = build_attention(entries, self.kv_cache.scratch_index, None, self.device)
-        out = self.drafter(self.target.model.embed_tokens(input_ids), positions, batch, self.kv_cache)  # [A, B, d]
-        logits = self.target.lm_head(out[:, 1:]).float()  # [A, B-1, V]: tokens N .. N+B-2
-        # 3. Draw position by position (independent q_j); p_min stops a row at its first unsure position.
+        return self.drafter(self.target.model.embed_tokens(input_ids), positions, batch, self.kv_cache)
+
+    @torch.inference_mode()
+    def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
+        B, k = len(seqs), max(max_tokens)
+        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min)
+        active = [b for b in range(B) if max_tokens[b] > 0]
+        if not active:
+            return chain.result()
+        logits = self.target.lm_head(self.block_pass(seqs, active)[:, 1:]).float()  # [A, B-1, V]: tokens N .. N+B-2
+        # Draw position by position (independent q_j); p_min stops a row at its first unsure position.
         for step in range(k):
             rows = [b for b in active if step < max_tokens[b] and chain.num[b] == step]
             if not rows:

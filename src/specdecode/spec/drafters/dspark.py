@@ -1,0 +1,131 @@
+"""DSpark: confidence-scheduled block drafting (DeepSeek DeepSpec; METHODS.md 2.8).
+
+Backbone: the DFlash block pass (dflash.py). On top of it:
+- Markov head, a rank-r bigram bias: logits_j = U_j + W2(W1[x_{j-1}]), drawn left to right, so
+  position j sees the token drafted before it (x_0 = the anchor). q_j stays an exact softmax:
+  standard rejection sampling applies.
+- Confidence head: c_j = sigmoid(v . [h_j ; W1[x_{j-1}]]) estimates P(token j accepted | the
+  earlier ones were). It reads the prefix only, never x_j itself, which is what lets the
+  scheduler use it without biasing verification. Calibrated position by position (per-position
+  temperature on the logit, fitted left to right on held-out data so that the cumulative product
+  matches the measured survival).
+- Scheduling: the calibrated confidences feed `confidence_threshold` (verify only the confident
+  prefix) and `verify_pruning: "dcut"` (the DSpark / D-Cut batch scheduler in spec/depth.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdecode.defaults import DEFAULT_MODEL_NAME
+from specdecode.errors import ConfigError, ModelLoadError
+from specdecode.models.llama import RotaryEmbedding
+from specdecode.sampling import SamplingBatch
+from specdecode.spec.drafters.chain import ChainDraft
+from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
+from specdecode.spec.proposer import Draft, register, resolve_drafter_dir
+
+
+@dataclasses.dataclass(slots=True)
+class DSparkConfig:
+    backbone: DFlashConfig
+    markov_rank: int = 128
+    confidence_temperatures: list[float] = dataclasses.field(default_factory=list)  # per draft position
+
+    def to_json(self) -> dict:
+        return {**self.backbone.to_json(), "architectures": ["SpecdecodeDSparkDrafter"],
+                "dspark_config": {"markov_rank": self.markov_rank,
+                                  "confidence_temperatures": list(self.confidence_temperatures)}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "DSparkConfig":
+        extra = data["dspark_config"]
+        return cls(DFlashConfig.from_json(data), extra["markov_rank"], list(extra["confidence_temperatures"]))
+
+
+class DSparkDrafter(DFlashDrafter):
+    def __init__(self, cfg: DSparkConfig, vocab_size: int):
+        super().__init__(cfg.backbone)
+        self.dspark = cfg
+        d, r = cfg.backbone.layers.hidden_size, cfg.markov_rank
+        self.markov_in = nn.Embedding(vocab_size, r)  # W1
+        self.markov_out = nn.Linear(r, vocab_size, bias=False)  # W2, zero-initialised: starts as plain DFlash
+        nn.init.zeros_(self.markov_out.weight)
+        nn.init.normal_(self.markov_in.weight, 0.0, 0.02)
+        self.confidence = nn.Linear(d + r, 1)
+
+    def markov_logits(self, base_logits: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """U_j [.., V] + W2 W1[x_{j-1}] for previous tokens [..]."""
+        return base_logits + self.markov_out(self.markov_in(previous)).float()
+
+    def confidence_logit(self, hidden: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+        """Raw logit of c_j from h_j [.., d] and x_{j-1} [..]."""
+        return self.confidence(torch.cat([hidden, self.markov_in(previous).to(hidden.dtype)], dim=-1)).squeeze(-1).float()
+
+    def calibrated(self, logit: torch.Tensor, position: int) -> torch.Tensor:
+        """c_j with the fitted per-position temperature (position 0 = first draft)."""
+        temps = self.dspark.confidence_temperatures
+        t = temps[min(position, len(temps) - 1)] if temps else 1.0
+        return torch.sigmoid(logit / t)
+
+
+def save_dspark(drafter: DSparkDrafter, out: Path, target_dir: Path, report: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(drafter.dspark.to_json(), indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (target_dir / name).is_file():
+            (out / name).write_bytes((target_dir / name).read_bytes())
+    if report is not None:
+        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def load_dspark(path: Path, vocab_size: int, dtype, device) -> DSparkDrafter:
+    from safetensors.torch import load_file
+
+    try:
+        drafter = DSparkDrafter(DSparkConfig.from_json(json.loads((path / "config.json").read_text())), vocab_size)
+        drafter.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+    except (OSError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} is not a DSpark checkpoint: {e}") from None
+    drafter.rotary = RotaryEmbedding(drafter.cfg.layers)
+    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+@register("dspark")
+class DSparkProposer(DFlashProposer):
+    def _load(self, ctx, path: Path):
+        return load_dspark(path, ctx.target.config.vocab_size, ctx.dtype, ctx.device)
+
+    default_checkpoint = f"{DEFAULT_MODEL_NAME}-dspark"
+
+    @torch.inference_mode()
+    def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
+        B, k = len(seqs), max(max_tokens)
+        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min)
+        active = [b for b in range(B) if max_tokens[b] > 0]
+        if not active:
+            return chain.result()
+        hidden = self.block_pass(seqs, active)  # [A, block, d]
+        base = self.target.lm_head(hidden[:, 1:]).float()  # [A, block-1, V]: U_j
+        previous = torch.tensor([seqs[b].last_token_id for b in active], device=self.device)  # x_0 = the anchor
+        for step in range(k):
+            rows = [b for b in active if step < max_tokens[b] and chain.num[b] == step]
+            if not rows:
+                break
+            index = torch.tensor([active.index(b) for b in rows], device=self.device)
+            prev = previous[index]
+            logits = self.drafter.markov_logits(base[index, step], prev)
+            chosen = chain.add_step(rows, step, logits, sampling)
+            conf = self.drafter.calibrated(self.drafter.confidence_logit(hidden[index, step + 1], prev), step)
+            chain.confidence[torch.tensor(rows, device=self.device), step] = conf
+            previous[index] = torch.tensor(chosen, device=self.device).clamp(min=0)
+        return chain.result()
