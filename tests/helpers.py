@@ -93,3 +93,17 @@ def make_native_model(out: Path, seed: int = 0, layers: int = 2, hidden: int = 6
     (out / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
     make_tokenizer(out, vocab)
     return out
+
+
+def train_briefly(recipe, drafter, target, steps: int, window_shape: tuple[int, int], lr: float = 3e-3) -> list[float]:
+    """A few optimizer steps of a drafter recipe on random windows; returns the losses."""
+    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)
+    gen = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        loss = recipe.loss(drafter, target, torch.randint(3, VOCAB, window_shape, generator=gen))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import train_briefly
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
@@ -32,14 +33,7 @@ def dflash_dir(native_model, tmp_path_factory):
     recipe = RECIPES["dflash"]
     torch.manual_seed(0)
     drafter = recipe.build(target, cfg)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(25):
-        loss = recipe.loss(drafter, target, torch.randint(3, 320, (4, 64)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_briefly(recipe, drafter, target, 25, (4, 64))
     assert sum(losses[-5:]) < sum(losses[:5])
     recipe.export(drafter, target, cfg, {})
     return root / "d"

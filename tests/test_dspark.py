@@ -4,6 +4,7 @@ from collections import Counter
 
 import pytest
 import torch
+from helpers import train_briefly
 
 from specdecode import LLM, SamplingParams
 from specdecode.models.loader import load_model
@@ -21,14 +22,7 @@ def dspark(native_model, tmp_path_factory):
     recipe = RECIPES["dspark"]
     torch.manual_seed(0)
     drafter = recipe.build(target, cfg)
-    opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-    losses = []
-    for _ in range(30):
-        loss = recipe.loss(drafter, target, torch.randint(3, 320, (4, 64)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_briefly(recipe, drafter, target, 30, (4, 64))
     assert sum(losses[-5:]) < sum(losses[:5])
     held_out = torch.randint(3, 320, (4000,)).numpy()
     calibration = calibrate_dspark(drafter, target, held_out, cfg, "cpu")

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import train_briefly
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
@@ -25,16 +26,7 @@ def drafters(native_model, tmp_path_factory):
         recipe = RECIPES[method]
         torch.manual_seed(0)
         drafter = recipe.build(target, cfg, tokens)
-        opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=3e-3)
-        gen = torch.Generator().manual_seed(0)
-        losses = []
-        for _ in range(25):
-            window = torch.randint(3, 320, (4, 32), generator=gen)
-            loss = recipe.loss(drafter, target, window)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses = train_briefly(recipe, drafter, target, 25, (4, 32))
         assert sum(losses[-5:]) < sum(losses[:5])  # it learns the target's behaviour
         recipe.export(drafter, target, cfg, {"steps": 25})
         out[method] = root / method

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import train_briefly
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
@@ -20,14 +21,7 @@ def heads_dir(native_model, tmp_path_factory):
     recipe = RECIPES["medusa"]
     torch.manual_seed(0)
     heads = recipe.build(target, cfg)
-    opt = torch.optim.AdamW(heads.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(20):
-        loss = recipe.loss(heads, target, torch.randint(3, 320, (4, 32)))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_briefly(recipe, heads, target, 20, (4, 32))
     assert sum(losses[-5:]) < sum(losses[:5])
     recipe.export(heads, target, cfg, {})
     return root / "m"

@@ -114,17 +114,10 @@ def draft_model_loss(drafter, target, window) -> torch.Tensor:
 
 
 def export_draft_model(drafter: LlamaForCausalLM, target: LlamaForCausalLM, cfg: DrafterTrainConfig, report: dict) -> None:
-    from safetensors.torch import save_file
+    from specdecode.spec.drafters.checkpoint import save_checkpoint
 
-    out = cfg.out_dir
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(drafter.config.to_hf_dict(), indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (cfg.target / name).is_file():
-            (out / name).write_bytes((cfg.target / name).read_bytes())
-    (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    state = {k: v for k, v in drafter.state_dict().items() if k != "lm_head.weight"}  # tied
+    save_checkpoint(state, drafter.config.to_hf_dict(), cfg.out_dir, cfg.target, report)
 
 
 # ---- EAGLE, EAGLE-3, MTP ------------------------------------------------------------------------

@@ -19,7 +19,6 @@ the draws before it, which is still an exact proposal for rejection sampling.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -32,6 +31,7 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.llama import AttentionBatch, DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding, write_kv
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
+from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
 from specdecode.spec.drafters.features import TargetFeatureBuffer
 from specdecode.spec.proposer import Draft, ProposerContext, register, resolve_drafter_dir
 
@@ -94,26 +94,15 @@ class DFlashDrafter(nn.Module):
 
 
 def save_dflash(drafter: DFlashDrafter, out: Path, target_dir: Path, report: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(drafter.cfg.to_json(), indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target_dir / name).is_file():
-            (out / name).write_bytes((target_dir / name).read_bytes())
-    if report is not None:
-        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_checkpoint(drafter.state_dict(), drafter.cfg.to_json(), out, target_dir, report)
 
 
 def load_dflash(path: Path, dtype, device) -> DFlashDrafter:
-    from safetensors.torch import load_file
-
+    config, state = read_checkpoint(path, "DFlash")
     try:
-        drafter = DFlashDrafter(DFlashConfig.from_json(json.loads((path / "config.json").read_text())))
-        drafter.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
-    except (OSError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        drafter = DFlashDrafter(DFlashConfig.from_json(config))
+        drafter.load_state_dict(state, strict=False)
+    except (KeyError, RuntimeError) as e:
         raise ModelLoadError(f"{path} is not a DFlash checkpoint: {e}") from None
     drafter.rotary = RotaryEmbedding(drafter.cfg.layers)
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)

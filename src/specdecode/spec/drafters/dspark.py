@@ -16,17 +16,17 @@ Backbone: the DFlash block pass (dflash.py). On top of it:
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.errors import ConfigError, ModelLoadError
+from specdecode.errors import ModelLoadError
 from specdecode.models.llama import RotaryEmbedding
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
+from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
 from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
 from specdecode.spec.proposer import Draft, register, resolve_drafter_dir
 
@@ -75,26 +75,15 @@ class DSparkDrafter(DFlashDrafter):
 
 
 def save_dspark(drafter: DSparkDrafter, out: Path, target_dir: Path, report: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(drafter.dspark.to_json(), indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target_dir / name).is_file():
-            (out / name).write_bytes((target_dir / name).read_bytes())
-    if report is not None:
-        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_checkpoint(drafter.state_dict(), drafter.dspark.to_json(), out, target_dir, report)
 
 
 def load_dspark(path: Path, vocab_size: int, dtype, device) -> DSparkDrafter:
-    from safetensors.torch import load_file
-
+    config, state = read_checkpoint(path, "DSpark")
     try:
-        drafter = DSparkDrafter(DSparkConfig.from_json(json.loads((path / "config.json").read_text())), vocab_size)
-        drafter.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
-    except (OSError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        drafter = DSparkDrafter(DSparkConfig.from_json(config), vocab_size)
+        drafter.load_state_dict(state, strict=False)
+    except (KeyError, RuntimeError) as e:
         raise ModelLoadError(f"{path} is not a DSpark checkpoint: {e}") from None
     drafter.rotary = RotaryEmbedding(drafter.cfg.layers)
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)

@@ -25,7 +25,6 @@ drafter's own output.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
+from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
 from specdecode.spec.drafters.features import TargetFeatureBuffer
 from specdecode.spec.proposer import Draft, ProposerContext, register, resolve_drafter_dir
 
@@ -142,18 +142,7 @@ def raw_features(variant: str, hidden: torch.Tensor, taps: dict[int, torch.Tenso
 
 
 def save_drafter(drafter: EagleDrafter, out: Path, target_dir: Path, report: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
-             for k, v in drafter.state_dict().items()}
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(drafter.cfg.to_json(), indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target_dir / name).is_file():
-            (out / name).write_bytes((target_dir / name).read_bytes())
-    if report is not None:
-        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_checkpoint(drafter.state_dict(), drafter.cfg.to_json(), out, target_dir, report)
 
 
 # ---- the speculators / vLLM EAGLE-3 layout (METHODS.md 2.5) ------------------------------------
@@ -172,18 +161,13 @@ def export_speculators(drafter: EagleDrafter, target_dir: Path, out: Path) -> No
     architectures ["LlamaForCausalLMEagle3"], one layer, draft and target vocabulary sizes,
     the auxiliary layer ids (ids of the layers whose *outputs* are tapped), and weights
     fc / layers.0.* / norm / lm_head plus the d2t offsets and the t2d mask."""
-    from safetensors.torch import save_file
-
     if drafter.cfg.variant != "eagle3":
         raise ConfigError(f"--format speculators exports EAGLE-3 drafters; this one is {drafter.cfg.variant!r}")
-    out.mkdir(parents=True, exist_ok=True)
-    state = {_speculators_names(k): v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
-             for k, v in drafter.state_dict().items()}
+    state = {_speculators_names(k): v for k, v in drafter.state_dict().items()}
     target_config = ModelConfig.from_dir(target_dir)
     t2d = torch.zeros(target_config.vocab_size, dtype=torch.bool)
     t2d[drafter.draft_to_target] = True
     state["t2d"] = t2d
-    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     layer = drafter.cfg.layer.to_hf_dict()
     aux_outputs = [i - 1 for i in drafter.cfg.aux_layers]  # HF hidden_states index i = output of layer i-1
     config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1,
@@ -193,10 +177,7 @@ def export_speculators(drafter: EagleDrafter, target_dir: Path, out: Path) -> No
               "speculators_config": {"algorithm": "eagle3", "proposal_methods": [
                   {"proposal_type": "greedy", "speculative_tokens": 5}], "default_proposal_method": "greedy",
                   "verifier": {"name_or_path": str(target_dir), "architectures": ["LlamaForCausalLM"]}}}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target_dir / name).is_file():
-            (out / name).write_bytes((target_dir / name).read_bytes())
+    save_checkpoint(state, config, out, target_dir)
 
 
 def _from_speculators(data: dict, state: dict) -> tuple[EagleConfig, dict]:
@@ -217,17 +198,14 @@ def _from_speculators(data: dict, state: dict) -> tuple[EagleConfig, dict]:
 
 def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
     """Our checkpoint layout, or an EAGLE-3 checkpoint in the speculators layout."""
-    from safetensors.torch import load_file
-
+    data, state = read_checkpoint(path, "EAGLE/MTP drafter")
     try:
-        data = json.loads((path / "config.json").read_text())
-        state = load_file(str(path / "model.safetensors"))
         if data.get("speculators_model_type") == "eagle3":
             cfg, state = _from_speculators(data, state)
         else:
             cfg = EagleConfig.from_json(data)
-    except (OSError, KeyError, json.JSONDecodeError) as e:
-        raise ModelLoadError(f"{path} is not an EAGLE/MTP drafter checkpoint: {e}") from None
+    except KeyError as e:
+        raise ModelLoadError(f"{path} is not an EAGLE/MTP drafter checkpoint: missing {e}") from None
     drafter = EagleDrafter(cfg)
     missing, unexpected = drafter.load_state_dict(state, strict=False)
     missing = [m for m in missing if not m.startswith("rotary")]

@@ -14,7 +14,6 @@ highest prior score, prod_d 1 / (rank_d + 2), expanded from the top `tree_topk` 
 from __future__ import annotations
 
 import heapq
-import json
 from pathlib import Path
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.errors import ConfigError, ModelLoadError
+from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
 from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register, resolve_drafter_dir
 
 
@@ -60,29 +60,17 @@ def static_tree(num_heads: int, topk: int, num_nodes: int) -> list[tuple[int, ..
 
 
 def save_heads(heads: MedusaHeads, out: Path, target_dir: Path, report: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().to(torch.bfloat16).contiguous() for k, v in heads.state_dict().items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
     config = {"architectures": ["SpecdecodeMedusaHeads"], "medusa_num_heads": heads.num_heads,
               "hidden_size": heads.blocks[0].in_features}
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        if (target_dir / name).is_file():
-            (out / name).write_bytes((target_dir / name).read_bytes())
-    if report is not None:
-        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    save_checkpoint(heads.state_dict(), config, out, target_dir, report)
 
 
 def load_heads(path: Path, dtype, device) -> MedusaHeads:
-    from safetensors.torch import load_file
-
+    config, state = read_checkpoint(path, "Medusa")
     try:
-        config = json.loads((path / "config.json").read_text())
         heads = MedusaHeads(config["hidden_size"], config["medusa_num_heads"])
-        heads.load_state_dict(load_file(str(path / "model.safetensors")))
-    except (OSError, KeyError, RuntimeError, json.JSONDecodeError) as e:
+        heads.load_state_dict(state)
+    except (KeyError, RuntimeError) as e:
         raise ModelLoadError(f"{path} is not a Medusa checkpoint: {e}") from None
     return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
 

@@ -1,0 +1,38 @@
+"""Drafter checkpoints: one folder per drafter, HF-style (config.json + bf16 safetensors +
+the target's tokenizer files + training_report.json)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specdecode.errors import ModelLoadError
+
+
+def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out: Path, target_dir: Path,
+                    report: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous() for k, v in state.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        if (target_dir / name).is_file():
+            (out / name).write_bytes((target_dir / name).read_bytes())
+    if report is not None:
+        (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def read_checkpoint(path: Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config, tensors) of a drafter folder; a clear error when it is not one."""
+    from safetensors.torch import load_file
+
+    try:
+        return json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{path} is not a {kind} checkpoint: {e}") from None
+    except Exception as e:  # safetensors' own error types for truncated files
+        raise ModelLoadError(f"{path}: model.safetensors is corrupt: {e}") from None
