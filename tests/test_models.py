@@ -61,8 +61,6 @@ def test_hidden_taps_equal_transformers_hidden_states(hf_models):
 
 
 def test_sharded_checkpoint_loads(hf_models, tmp_path):
-    import transformers
-
     hf = _hf(hf_models["llama"])
     hf.save_pretrained(tmp_path, max_shard_size="100KB")
     assert (tmp_path / "model.safetensors.index.json").is_file()

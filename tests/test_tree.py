@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.sampling import SamplingBatch, process_logits
+from specdecode.sampling import SamplingBatch
 from specdecode.spec.proposer import PROPOSERS, Draft, ProposerBase, register
 from specdecode.spec.tree import node_depths, tree_attention_mask, verify_tree
 

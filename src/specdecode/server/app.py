@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 from specdecode.config import SamplingParams
 from specdecode.engine.engine import RequestOutput
-from specdecode.errors import InvalidRequestError, SpecDecodeError
+from specdecode.errors import SpecDecodeError
 from specdecode.server.async_engine import AsyncEngine
 from specdecode.tokenizer import IncrementalDetokenizer
 

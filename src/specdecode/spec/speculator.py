@@ -62,7 +62,7 @@ class Speculator:
         self.proposer.release(seq)
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        runner, device = self.llm.runner, self.llm.device
+        device = self.llm.device
         sampling = SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], device)
         limits = self.depth.limits(seqs)
 

@@ -15,9 +15,7 @@ then teaches two layers to imitate six.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -27,7 +25,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdecode.models.config import ModelConfig
 from specdecode.models.llama import LlamaForCausalLM
 from specdecode.models.loader import load_model
 from specdecode.train.common import Checkpointer, cosine_lr, sample_windows, tokenize_corpus

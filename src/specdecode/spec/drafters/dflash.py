@@ -28,7 +28,7 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.runner import ForwardEntry, build_attention
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
-from specdecode.models.llama import AttentionBatch, DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding, write_kv
+from specdecode.models.llama import AttentionBatch, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, write_kv
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
@@ -97,15 +97,20 @@ def save_dflash(drafter: DFlashDrafter, out: Path, target_dir: Path, report: dic
     save_checkpoint(drafter.state_dict(), drafter.cfg.to_json(), out, target_dir, report)
 
 
-def load_dflash(path: Path, dtype, device) -> DFlashDrafter:
-    config, state = read_checkpoint(path, "DFlash")
+def load_block_drafter(path: Path, kind: str, build, dtype, device):
+    """A DFlash-family drafter: build(config json) -> module, then its weights."""
+    config, state = read_checkpoint(path, kind)
     try:
-        drafter = DFlashDrafter(DFlashConfig.from_json(config))
+        drafter = build(config)
         drafter.load_state_dict(state, strict=False)
     except (KeyError, RuntimeError) as e:
-        raise ModelLoadError(f"{path} is not a DFlash checkpoint: {e}") from None
+        raise ModelLoadError(f"{path} is not a {kind} checkpoint: {e}") from None
     drafter.rotary = RotaryEmbedding(drafter.cfg.layers)
     return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def load_dflash(path: Path, dtype, device) -> DFlashDrafter:
+    return load_block_drafter(path, "DFlash", lambda c: DFlashDrafter(DFlashConfig.from_json(c)), dtype, device)
 
 
 @register("dflash")

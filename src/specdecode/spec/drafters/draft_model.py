@@ -9,8 +9,6 @@ columns are simply overwritten (rollback = a length), as in the target's cache.
 
 from __future__ import annotations
 
-import torch
-
 from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.runner import ForwardEntry, Runner
 from specdecode.errors import ConfigError

@@ -22,13 +22,11 @@ import torch
 from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.errors import ModelLoadError
-from specdecode.models.llama import RotaryEmbedding
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
-from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
-from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer
-from specdecode.spec.proposer import Draft, register, resolve_drafter_dir
+from specdecode.spec.drafters.checkpoint import save_checkpoint
+from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, load_block_drafter
+from specdecode.spec.proposer import Draft, register
 
 
 @dataclasses.dataclass(slots=True)
@@ -79,14 +77,7 @@ def save_dspark(drafter: DSparkDrafter, out: Path, target_dir: Path, report: dic
 
 
 def load_dspark(path: Path, vocab_size: int, dtype, device) -> DSparkDrafter:
-    config, state = read_checkpoint(path, "DSpark")
-    try:
-        drafter = DSparkDrafter(DSparkConfig.from_json(config), vocab_size)
-        drafter.load_state_dict(state, strict=False)
-    except (KeyError, RuntimeError) as e:
-        raise ModelLoadError(f"{path} is not a DSpark checkpoint: {e}") from None
-    drafter.rotary = RotaryEmbedding(drafter.cfg.layers)
-    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return load_block_drafter(path, "DSpark", lambda c: DSparkDrafter(DSparkConfig.from_json(c), vocab_size), dtype, device)
 
 
 @register("dspark")

@@ -28,7 +28,6 @@ import dataclasses
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
