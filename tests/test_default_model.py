@@ -69,3 +69,17 @@ def test_mtbench_prompt_set_and_jsonl_files(tmp_path):
         load_prompts(str(bad))
     with pytest.raises(ConfigError, match="neither a built-in"):
         load_prompts("nope")
+
+
+def test_generated_drafter_data_is_resumable(native_model, tmp_path):
+    import numpy as np
+
+    from specdecode.train.generated_data import generate_dataset
+
+    corpus = np.arange(3, 300, dtype=np.uint16).repeat(4)
+    first = generate_dataset(native_model, corpus, tmp_path / "g.npz", num_sequences=3, prompt_len=8,
+                             continuation_len=5, batch_size=2)
+    assert 3 * 9 <= len(first) <= 3 * 13  # prompt + 1..5 generated tokens each
+    again = generate_dataset(native_model, corpus, tmp_path / "g.npz", num_sequences=5, prompt_len=8,
+                             continuation_len=5, batch_size=2)
+    assert np.array_equal(again[: len(first)], first) and len(again) > len(first)  # resumed, not redone

@@ -130,6 +130,10 @@ def _add_train_drafter(sub) -> None:
     p.add_argument("--out", default=None, help="export dir (default: models/<target>-<method suffix>)")
     p.add_argument("--work-dir", default=None, help="checkpoints (default: runs/train-drafter-<method>)")
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
+    p.add_argument("--data", default="corpus", choices=["corpus", "generated"],
+                   help="corpus: stdlib windows with the target's soft labels; generated: the target's own "
+                   "continuations of corpus prompts (generated once, cached in WORK_DIR, resumable)")
+    p.add_argument("--generated-sequences", type=int, default=2000, help="with --data generated: how many")
     p.add_argument("--max-steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=4, help="windows per step")
     p.add_argument("--context", type=int, default=1024, help="window length in tokens")
@@ -163,7 +167,7 @@ def _run_train_drafter(args) -> int:
         checkpoint_minutes=args.checkpoint_minutes, device=args.device, num_layers=args.layers,
         intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab_size,
         medusa_heads=args.medusa_heads, block_size=args.block_size, dflash_layers=args.dflash_layers,
-        markov_rank=args.markov_rank,
+        markov_rank=args.markov_rank, data=args.data, generated_sequences=args.generated_sequences,
     )
     print(json.dumps(train_drafter(cfg, resume=args.resume), indent=2))
     return 0

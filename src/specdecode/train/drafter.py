@@ -51,6 +51,8 @@ class DrafterTrainConfig:
     eval_windows: int = 16
     dtype: str = "bfloat16"  # autocast dtype for target and drafter
     device: str = "auto"
+    data: str = "corpus"  # corpus: stdlib windows; generated: the target's own continuations of corpus prompts
+    generated_sequences: int = 2000
     # draft_model shape
     num_layers: int = 2
     intermediate_size: int = 512
@@ -66,6 +68,8 @@ class DrafterTrainConfig:
         self.target, self.out_dir, self.work_dir = Path(self.target), Path(self.out_dir), Path(self.work_dir)
         if self.method not in RECIPES:
             raise ValueError(f"--method {self.method!r} has no trainer; accepted: {', '.join(RECIPES)}")
+        if self.data not in ("corpus", "generated"):
+            raise ValueError(f"--data {self.data!r}: accepted: corpus, generated")
 
 
 @dataclasses.dataclass(slots=True)
@@ -486,6 +490,12 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     recipe = RECIPES[cfg.method]
     target = load_model(cfg.target, torch.float32, device)
     train_tokens, val_tokens = tokenize_corpus(cfg.target / "tokenizer.json", cfg.work_dir / "tokens.npz")
+    if cfg.data == "generated":
+        from specdecode.tokenizer import Tokenizer
+        from specdecode.train.generated_data import generate_dataset
+
+        train_tokens = generate_dataset(cfg.target, train_tokens, cfg.work_dir / "generated.npz", cfg.generated_sequences,
+                                        eos_id=Tokenizer(cfg.target).eos_token_id, seed=cfg.seed)
     torch.manual_seed(cfg.seed)
     drafter = recipe.build(target, cfg, train_tokens).to(device).train()
     params = [p for p in drafter.parameters() if p.requires_grad]
@@ -521,7 +531,7 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     if recipe.finalize is not None:
         after.update(recipe.finalize(drafter, target, val_tokens, cfg, device))
     report = {
-        "method": cfg.method, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
+        "method": cfg.method, "data": cfg.data, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
         "wall_seconds": ckpt.elapsed(), "parameters": sum(p.numel() for p in drafter.parameters()),
         "final_train_loss": float(np.mean(losses[-30:])) if losses else None,
         "before_training": before, **after,
