@@ -107,3 +107,15 @@ def test_export_speculators_layout_and_load_back(native_model, drafters, tmp_pat
     for (ka, va), (kb, vb) in zip(sorted(ours.state_dict().items()), sorted(back.state_dict().items())):
         assert ka == kb and torch.equal(va.to(torch.bfloat16).float() if va.is_floating_point() else va,
                                         vb.float() if vb.is_floating_point() else vb)
+
+
+def test_ttt_mask_matches_inference_attention():
+    from specdecode.train.drafter import ttt_mask
+
+    mask = ttt_mask(step=3, num_anchors=3, block=4, device="cpu")[0, 0].int()
+    # Columns: step-1 keys of anchors 0..3 | step-2 keys | step-3 keys.
+    assert mask.tolist() == [
+        [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0],
+        [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
+        [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
+    ]

@@ -154,27 +154,53 @@ def build_eagle(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=
     return drafter
 
 
+def ttt_mask(step: int, num_anchors: int, block: int, device) -> torch.Tensor:
+    """[1, 1, n, step * block] bool attention mask of unroll step `step` (1-based), anchors t < n.
+
+    Keys are laid out step by step (block columns each). As at inference, the query of
+    anchor t sees the first step's keys of anchors <= t (the drafter's cache of true-feature
+    positions) and, of every later step up to its own, only the key of the same anchor t
+    (the chain it drafted itself): EAGLE-3's training-time-test attention."""
+    t = torch.arange(num_anchors, device=device)[:, None]
+    cols = torch.arange(step * block, device=device)[None, :]
+    first = (cols < block) & (cols <= t)
+    own_chain = (cols >= block) & (cols % block == t)
+    return (first | own_chain)[None, None]
+
+
 def _eagle_unroll(drafter, target: LlamaForCausalLM, window: torch.Tensor, steps: int):
     """Yield (step j, drafter logits [B, n, V'], target logits [B, n, V], drafter output, next target feature)
     for j = 1..steps. Step j at anchor t takes (token t+j, feature): the target's f_t at j = 1, the
-    drafter's own step-(j-1) output after that (training-time test), at drafter position t+j-1."""
+    drafter's own step-(j-1) output after that, at drafter position t+j-1, attending as at
+    inference (`ttt_mask`). Each step's keys go into a fresh concatenated cache, so autograd sees
+    no in-place change of anything an earlier step saved."""
+    from specdecode.models.llama import AttentionBatch
     from specdecode.spec.drafters.eagle import feature_taps, raw_features
 
     B, T = window.shape
+    device = window.device
     taps = feature_taps(drafter.cfg.variant, target.config, drafter.cfg.aux_layers)
     with torch.no_grad():
-        out = target(window, torch.arange(T, device=window.device).expand(B, T), hidden_taps=taps)
+        out = target(window, torch.arange(T, device=device).expand(B, T), hidden_taps=taps)
         p_logits = target.compute_logits(out.hidden)  # [B, T, V]
         raw = raw_features(drafter.cfg.variant, out.hidden, out.taps, drafter.cfg.aux_layers)
         embeds = target.model.embed_tokens(window)
     feats = drafter.features(raw)  # [B, T, d]
     f_in = feats[:, :-1]
+    layer = drafter.cfg.layer
+    kv_shape = (B, T, layer.num_key_value_heads, layer.head_dim)
+    cache_k = cache_v = torch.zeros(B, 0, *kv_shape[2:], device=device)
+    slots = torch.arange(B, device=device)
     for j in range(1, steps + 1):
         n = T - j
         if n <= 1:
             return
-        positions = (torch.arange(n, device=window.device) + j - 1).expand(B, n)
-        o = drafter(embeds[:, j: j + n], f_in[:, :n], positions)
+        cache_k = torch.cat([cache_k, torch.zeros(kv_shape, device=device)], dim=1)
+        cache_v = torch.cat([cache_v, torch.zeros(kv_shape, device=device)], dim=1)
+        write = ((j - 1) * T + torch.arange(n, device=device)).expand(B, n)
+        batch = AttentionBatch(ttt_mask(j, n, T, device).expand(B, 1, n, j * T), slots, write, j * T, (0, B))
+        positions = (torch.arange(n, device=device) + j - 1).expand(B, n)
+        o = drafter(embeds[:, j: j + n], f_in[:, :n], positions, batch, cache_k, cache_v)
         yield j, drafter.logits(o, target), p_logits[:, j: j + n], o, feats[:, j: j + n]
         f_in = o[:, : n - 1]
 
