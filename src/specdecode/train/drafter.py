@@ -7,9 +7,9 @@ export, validation agreement) is shared.
 draft_model: a 2-layer Llama with the target's width, distilled from the target's logits
 (forward KL = soft cross-entropy against the target distribution). It starts from the
 target itself: the embedding / LM head (tied, frozen: drafts must live in the target's
-vocabulary anyway), the final norm, the attention of target layers 0 and 1, and the
-`intermediate_size` MLP neurons of those layers with the largest output norm. Distillation
-then teaches two layers to imitate six.
+vocabulary anyway), the final norm, the attention of the target's first and last layers,
+and the `intermediate_size` MLP neurons of those layers with the largest output norm.
+Distillation then teaches two layers to imitate six.
 """
 
 from __future__ import annotations
@@ -91,8 +91,10 @@ def build_draft_model(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_t
     with torch.no_grad():
         drafter.model.embed_tokens.weight.copy_(target.model.embed_tokens.weight)
         drafter.model.norm.weight.copy_(target.model.norm.weight)
-        for i, layer in enumerate(drafter.model.layers):
-            src = target.model.layers[min(i, tc.num_hidden_layers - 1)]
+        # The first layers and the last one: the last layer shapes the output distribution most.
+        sources = list(range(cfg.num_layers - 1)) + [tc.num_hidden_layers - 1]
+        for layer, source in zip(drafter.model.layers, sources):
+            src = target.model.layers[source]
             layer.self_attn.load_state_dict(src.self_attn.state_dict())
             layer.input_layernorm.load_state_dict(src.input_layernorm.state_dict())
             layer.post_attention_layernorm.load_state_dict(src.post_attention_layernorm.state_dict())
