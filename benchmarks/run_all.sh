@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 R=benchmarks/results
 mkdir -p "$R"
-SPEC='specdecode bench --methods none,ngram:k=2,ngram:k=4,draft_model:k=2,draft_model:k=3,draft_model:k=5 --num-prompts 16 --max-tokens 128 --temperature 0,0.8 --concurrency 1 --out benchmarks/results/spec'
+SPEC='specdecode bench --methods none,ngram:k=2,ngram:k=4,draft_model:k=2,draft_model:k=3,draft_model:k=5 --num-prompts 16 --max-tokens 128 --temperature 0,0.8 --concurrency 1 --peers transformers --out benchmarks/results/spec'
 CONC='specdecode bench --methods none,draft_model:k=4,draft_model:k=4:draft_length_schedule=auto,draft_model:k=4:verify_pruning=dcut --num-prompts 64 --max-tokens 64 --concurrency 1,4,16,32,64 --out benchmarks/results/concurrency'
 python - "$SPEC" "$CONC" <<'PY'
 import json, sys

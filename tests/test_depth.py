@@ -6,7 +6,7 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import SamplingBatch, process_logits
 from specdecode.spec.cost_model import CostModel, load_or_profile
-from specdecode.spec.depth import auto_k, dcut_lengths, expected_committed
+from specdecode.spec.depth import AcceptanceEstimator, auto_k, dcut_lengths, expected_committed
 from specdecode.spec.verify import verify
 
 FREE_VERIFY = CostModel({1: {1: 0.01, 9: 0.01}, 64: {1: 0.01, 9: 0.01}}, 128)  # memory-bound: width is free
@@ -27,12 +27,26 @@ def test_cost_model_interpolates_and_caches(native_model, tmp_path, monkeypatch)
 
 
 def test_auto_k_follows_cost_and_acceptance():
-    assert auto_k(FREE_VERIFY, 1, 8, alpha=0.8, draft_step_time=0.0005) == 8
-    assert auto_k(LINEAR, 64, 8, alpha=0.3, draft_step_time=0.001) == 0  # plain decoding wins
-    assert auto_k(LINEAR, 1, 8, alpha=0.9, draft_step_time=0.0) == 0  # every token costs a step: never worth it
+    def rates(alpha):
+        return AcceptanceEstimator(8, prior=alpha)
+
+    assert auto_k(FREE_VERIFY, 1, 8, rates(0.8), draft_step_time=0.0005) == 8
+    assert auto_k(LINEAR, 64, 8, rates(0.3), draft_step_time=0.001) == 0  # plain decoding wins
+    assert auto_k(LINEAR, 1, 8, rates(0.9), draft_step_time=0.0) == 0  # every token costs a step: never worth it
     affine = CostModel({1: {1: 0.012, 9: 0.028}}, 128)  # a fixed cost plus a little per token
-    assert auto_k(affine, 1, 8, alpha=0.6, draft_step_time=0.0) == 2
-    assert expected_committed(0.5, 3) == pytest.approx(1.875)
+    assert auto_k(affine, 1, 8, rates(0.6), draft_step_time=0.0) == 2
+    # A fixed per-step overhead outside the forward makes longer drafts pay.
+    assert auto_k(affine, 1, 8, rates(0.6), draft_step_time=0.0, step_overhead=0.02) > 2
+    assert expected_committed(0.5, 3) == pytest.approx(1.875) == rates(0.5).expected_committed(3)
+
+
+def test_estimator_learns_positions_and_calibrates_confidences():
+    est = AcceptanceEstimator(4)
+    for _ in range(200):  # only 2-token drafts so far: position 1 accepted 80%, position 2 40%
+        est.update([2] * 10, [2] * 4 + [1] * 4 + [0] * 2, [[0.5, 0.5]] * 10)
+    assert est.rate[0] == pytest.approx(0.8, abs=0.02) and est.rate[1] == pytest.approx(0.5, abs=0.02)
+    assert est.rate[3] == est.rate[1]  # never drafted: inherits the deepest observed rate
+    assert est.calibrate([[0.5, 0.5, 0.5, 0.5]])[0][:2] == pytest.approx([0.8, 0.5], abs=0.02)
 
 
 def test_dcut_keeps_prefixes_and_first_positions():

@@ -41,7 +41,7 @@ def is_default_model(path: str | Path) -> bool:
 
 # The default model's best measured speculative configuration at batch 1 (BENCHMARKS.md):
 # what `specdecode generate` and `specdecode serve` use when no --speculative-config is given.
-BEST_SPECULATIVE_CONFIG = {"method": "draft_model", "num_speculative_tokens": 3}
+BEST_SPECULATIVE_CONFIG = {"method": "ngram", "num_speculative_tokens": 4}  # 1.94x on HumanEval, T=0
 
 
 def cli_speculative_config(value: str | None, model: str | None):

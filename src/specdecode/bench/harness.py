@@ -134,7 +134,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                     record["outputs_equal_to_plain"] = f"{same}/{len(outs)}"
                 runs.append(record)
                 bar.update(1)
-            if "transformers" in cfg.peers and concurrency == 1 and baseline is not None:
+            # Peers run at batch 1 (transformers' speculative generate is batch-1 only), greedy.
+            if "transformers" in cfg.peers and concurrency == 1 and temperature == 0 and baseline is not None:
                 runs += _transformers_runs(cfg, llm, prompts, temperature, baseline)
     bar.close()
     result = {"machine": info, "model": str(cfg.model or "default"), "prompts": cfg.prompts,

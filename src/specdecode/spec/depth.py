@@ -31,6 +31,7 @@ class DepthController:
         self.confidence_threshold = config.confidence_threshold
         self.estimator = AcceptanceEstimator(self.k)
         self.draft_step_time = 0.0  # EMA of seconds per drafting step (one token for every sequence)
+        self.step_overhead = 0.0  # EMA of seconds per step outside drafting and the target forward
         self._cost_model_loader = cost_model_loader
         self._cost = None
 
@@ -47,8 +48,8 @@ class DepthController:
     def limits(self, seqs: list[Sequence]) -> list[int]:
         """Per sequence: the most draft tokens it may use (also bounded by its remaining room:
         a step commits accepted + 1 tokens, so at most room - 1 drafts are useful)."""
-        if self.schedule == "auto":
-            k = auto_k(self.cost, len(seqs), self.k, self.estimator.mean, self.draft_step_time)
+        if self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
+            k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time, self.step_overhead)
             per_seq = [k] * len(seqs)
         elif self.schedule == "heuristic":
             per_seq = [seq.drafter_state.get("schedule_k", self.k) for seq in seqs]
@@ -71,16 +72,21 @@ class DepthController:
                     keep += 1
                 lengths[q] = keep
         if self.pruning == "dcut" and max(lengths, default=0) > 0:
-            conf = confidence if confidence is not None else self.estimator.confidence(len(lengths))
+            conf = self.estimator.calibrate(confidence) if confidence is not None else self.estimator.confidence(len(lengths))
             lengths = dcut_lengths(conf, lengths, self.cost, self.draft_step_time * max(num_tokens))
         return lengths
 
     def update(self, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int], draft_seconds: float,
-               num_draft_steps: int) -> None:
-        self.estimator.update(num_draft, num_accepted)
+               num_draft_steps: int, confidence: list[list[float]] | None = None, step_seconds: float | None = None) -> None:
+        self.estimator.update(num_draft, num_accepted, confidence)
         if num_draft_steps:
             step = draft_seconds / num_draft_steps
             self.draft_step_time = step if self.draft_step_time == 0 else 0.9 * self.draft_step_time + 0.1 * step
+        if step_seconds is not None and self._cost is not None:
+            # Per-step time the cost model does not see (verification, bookkeeping): favours longer drafts.
+            forward = self._cost.step_time(len(seqs), len(seqs) + sum(num_draft))
+            overhead = max(0.0, step_seconds - draft_seconds - forward)
+            self.step_overhead = 0.9 * self.step_overhead + 0.1 * overhead
         if self.schedule != "heuristic":
             return
         for seq, n, a in zip(seqs, num_draft, num_accepted):
@@ -91,32 +97,57 @@ class DepthController:
 
 
 class AcceptanceEstimator:
-    """Online per-position acceptance: EMA of P(position i accepted | earlier accepted).
+    """Online per-position acceptance: EMA of P(position i accepted | earlier accepted), and
+    of the drafter's mean confidence there (for recalibrating confidences).
 
-    Feeds auto-k (its mean) and serves as the confidence of drafters that have none
-    (n-gram). It depends only on past verification results, never on the current draft,
-    so using it to size a draft keeps verification lossless.
+    Feeds auto-k and serves as the confidence of drafters that have none (n-gram). It depends
+    only on past verification results, never on the current draft, so using it to size or
+    prune a draft keeps verification lossless. A position never drafted yet inherits the rate
+    of the deepest observed one (a prior of its own would trap auto-k at short drafts).
     """
 
     def __init__(self, k: int, prior: float = 0.5, decay: float = 0.95):
         self.rate = [prior] * k  # [k]
+        self.observed = [False] * k
+        self.mean_confidence = [None] * k  # [k] EMA of the drafter's confidence at position i
         self.decay = decay
 
-    def update(self, num_draft: list[int], num_accepted: list[int]) -> None:
-        k = len(self.rate)
-        for i in range(k):
-            reached = sum(1 for n, a in zip(num_draft, num_accepted) if n > i and a >= i)
-            if reached:
-                accepted = sum(1 for n, a in zip(num_draft, num_accepted) if n > i and a > i)
-                w = self.decay ** reached  # more evidence this step, more weight
-                self.rate[i] = w * self.rate[i] + (1 - w) * accepted / reached
+    def update(self, num_draft: list[int], num_accepted: list[int], confidence: list[list[float]] | None = None) -> None:
+        for i in range(len(self.rate)):
+            rows = [b for b, (n, a) in enumerate(zip(num_draft, num_accepted)) if n > i and a >= i]
+            if not rows:
+                continue
+            accepted = sum(1 for b in rows if num_accepted[b] > i)
+            w = self.decay ** len(rows)  # more evidence this step, more weight
+            self.rate[i] = w * self.rate[i] + (1 - w) * accepted / len(rows)
+            self.observed[i] = True
+            if confidence is not None:
+                mean = sum(confidence[b][i] for b in rows) / len(rows)
+                prev = self.mean_confidence[i]
+                self.mean_confidence[i] = mean if prev is None else w * prev + (1 - w) * mean
+        last = None
+        for i in range(len(self.rate)):  # unobserved positions follow the deepest observed one
+            if self.observed[i]:
+                last = self.rate[i]
+            elif last is not None:
+                self.rate[i] = last
 
-    @property
-    def mean(self) -> float:
-        return sum(self.rate) / len(self.rate)
+    def expected_committed(self, k: int) -> float:
+        """1 + sum_{i<=k} prod_{j<=i} rate_j: expected tokens committed by a k-token draft."""
+        total, survival = 1.0, 1.0
+        for i in range(k):
+            survival *= self.rate[i]
+            total += survival
+        return total
 
     def confidence(self, batch_size: int) -> list[list[float]]:
         return [list(self.rate) for _ in range(batch_size)]
+
+    def calibrate(self, confidence: list[list[float]]) -> list[list[float]]:
+        """Rescale a drafter's confidences so their mean per position matches the measured
+        acceptance there (top probabilities are typically underconfident for greedy)."""
+        scale = [r / c if c else 1.0 for r, c in zip(self.rate, self.mean_confidence)]
+        return [[min(1.0, x * scale[i]) for i, x in enumerate(row)] for row in confidence]
 
 
 def expected_committed(alpha: float, k: int) -> float:
@@ -126,13 +157,15 @@ def expected_committed(alpha: float, k: int) -> float:
     return (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
-def auto_k(cost, batch_size: int, k_max: int, alpha: float, draft_step_time: float) -> int:
+def auto_k(cost, batch_size: int, k_max: int, estimator: "AcceptanceEstimator", draft_step_time: float,
+           step_overhead: float = 0.0) -> int:
     """The draft length that maximises expected committed tokens per second for this batch
-    (0 = plain decoding is faster). Baseline policy: one k for the whole batch."""
-    best_k, best_rate = 0, batch_size / cost.step_time(batch_size, batch_size)
+    (0 = plain decoding is faster). Baseline policy: one k for the whole batch.
+    `step_overhead`: measured seconds per step outside drafting and the target forward."""
+    best_k, best_rate = 0, batch_size / (cost.step_time(batch_size, batch_size) + step_overhead)
     for k in range(1, k_max + 1):
-        seconds = k * draft_step_time + cost.step_time(batch_size, batch_size * (k + 1))
-        rate = batch_size * expected_committed(alpha, k) / seconds
+        seconds = k * draft_step_time + cost.step_time(batch_size, batch_size * (k + 1)) + step_overhead
+        rate = batch_size * estimator.expected_committed(k) / seconds
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k

@@ -90,7 +90,9 @@ class Speculator:
         t2 = time.perf_counter()
 
         self.proposer.on_commit(seqs, draft, verified, result)
-        self.depth.update(seqs, num_draft, num_accepted, t1 - t0, num_draft_steps)
+        confidence_host = draft.confidence.tolist() if draft.confidence is not None and max(num_draft) > 0 else None
+        self.depth.update(seqs, num_draft, num_accepted, t1 - t0, num_draft_steps, confidence_host,
+                          time.perf_counter() - t0)
         out = []
         for b, seq in enumerate(seqs):
             seq.num_cached += 1 + num_accepted[b]
