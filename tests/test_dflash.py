@@ -64,3 +64,24 @@ def test_dflash_block_bounds_k(native_model, dflash_dir):
     with pytest.raises(ConfigError, match="block_size - 1"):
         LLM(native_model, dtype="float32", speculative_config={"method": "dflash", "model": str(dflash_dir),
                                                                "num_speculative_tokens": 4})
+
+
+def test_serving_block_pass_equals_the_training_pass(native_model, dflash_dir):
+    """The proposer's cached context + block pass must compute what training optimised."""
+    from specdecode.engine.sequence import Sequence
+    from specdecode.train.drafter import _block_states
+
+    llm = LLM(native_model, dtype="float32", speculative_config={"method": "dflash", "model": str(dflash_dir),
+                                                                 "num_speculative_tokens": 3})
+    proposer = llm.speculator.proposer
+    window = torch.randint(3, 320, (1, 16), generator=torch.Generator().manual_seed(5))
+    anchor = 9
+    with torch.no_grad():
+        hidden, _, j, _ = _block_states(proposer.drafter, llm.model, window, 1, anchors=torch.tensor([[anchor]]))
+        taps = llm.model(window, torch.arange(16)[None], hidden_taps=proposer.hidden_taps).taps
+    raw = torch.cat([taps[i] for i in proposer.drafter.cfg.target_layer_ids], dim=-1)[0]
+    # Committed tokens x_0 .. x_anchor; the target has processed positions 0 .. anchor - 1.
+    seq = Sequence("t", None, window[0, : anchor + 1].tolist(), SamplingParams(), (0,), max_len=256, slot=0)
+    seq.drafter_state.update(features=raw[:anchor], draft_cached=0)
+    served = proposer.block_pass([seq], [0])[0, 1:]  # block positions 1 .. B-1
+    torch.testing.assert_close(served, hidden[0], atol=1e-4, rtol=1e-4)

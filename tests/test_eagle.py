@@ -119,3 +119,26 @@ def test_ttt_mask_matches_inference_attention():
         [1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0],
         [1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0],
     ]
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
+def test_serving_catch_up_equals_the_training_step(native_model, drafters, method):
+    """The proposer's first draft state must be what training's first unroll step computed."""
+    from specdecode.engine.sequence import Sequence
+    from specdecode.spec.drafters.eagle import raw_features
+    from specdecode.train.drafter import _eagle_unroll
+
+    llm = LLM(native_model, dtype="float32", speculative_config={"method": method, "model": str(drafters[method]),
+                                                                 "num_speculative_tokens": 2})
+    proposer = llm.speculator.proposer
+    window = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, _, _, o, _ = next(_eagle_unroll(proposer.drafter, llm.model, window, 1))  # o[:, t]: anchor t
+        out = llm.model(window, torch.arange(12)[None], hidden_taps=proposer.hidden_taps)
+    raw = raw_features(method, out.hidden, out.taps, proposer.drafter.cfg.aux_layers)[0]
+    n = 8  # committed tokens x_0 .. x_7; the target has processed positions 0 .. 6
+    seq = Sequence("t", None, window[0, :n].tolist(), SamplingParams(), (0,), max_len=256, slot=0)
+    seq.drafter_state.update(features=raw[: n - 1], draft_cached=0)
+    first = proposer._catch_up([seq], [0])[0]
+    served = proposer._forward_last([first[0]], [first[1]])[0]
+    torch.testing.assert_close(served, o[0, n - 2], atol=1e-4, rtol=1e-4)

@@ -316,7 +316,8 @@ def dflash_block_mask(anchors: torch.Tensor, block: int, context_len: int) -> to
     return torch.cat([context, same_block], dim=2)[:, None]
 
 
-def _block_states(drafter, target: LlamaForCausalLM, window: torch.Tensor, anchors_per_seq: int):
+def _block_states(drafter, target: LlamaForCausalLM, window: torch.Tensor, anchors_per_seq: int,
+                  anchors: torch.Tensor | None = None):
     """The DFlash training pass: random anchors, all blocks packed in one forward under
     `dflash_block_mask`. Returns, for block positions j >= 1: the drafter's normed states
     [B, n, d], the target's logits at a + j - 1 (its distribution of token a + j) [B, n, V],
@@ -330,8 +331,10 @@ def _block_states(drafter, target: LlamaForCausalLM, window: torch.Tensor, ancho
         out = target(window, torch.arange(T, device=device).expand(B, T), hidden_taps=drafter.cfg.target_layer_ids)
         p_logits = target.compute_logits(out.hidden)
         raw = torch.cat([out.taps[i] for i in drafter.cfg.target_layer_ids], dim=-1)
-    m = anchors_per_seq
-    anchors = torch.stack([torch.randperm(T - block, device=device)[:m] + 1 for _ in range(B)]).sort(dim=1).values  # [B, m]
+    if anchors is None:  # random anchors, sorted per sequence
+        anchors = torch.stack([torch.randperm(T - block, device=device)[:anchors_per_seq] + 1
+                               for _ in range(B)]).sort(dim=1).values  # [B, m]
+    m = anchors.shape[1]
     n = m * block
     cache = KVCache(drafter.cfg.layers, B, T + n, torch.float32, device)
     slots = torch.arange(B, device=device)
