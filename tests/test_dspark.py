@@ -65,3 +65,16 @@ def test_scheduled_sampling_keeps_the_target_distribution(native_model, dspark):
     a, b = Counter(o.token_ids[2] for o in plain), Counter(o.token_ids[2] for o in spec)
     top = a.most_common(1)[0][0]
     assert abs(a[top] - b[top]) / 300 < 0.12
+
+
+def test_dspark_config_errors(native_model, dspark):
+    from specdecode import SpeculativeConfig
+    from specdecode.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="dspark_block_size.*only with method 'dspark'"):
+        SpeculativeConfig.parse({"method": "ngram", "dspark_block_size": 3})
+    with pytest.raises(ConfigError, match="confidence_threshold"):
+        SpeculativeConfig.parse({"method": "dspark", "confidence_threshold": 1.5})
+    with pytest.raises(ConfigError, match="block_size - 1"):
+        LLM(native_model, dtype="float32", speculative_config={"method": "dspark", "model": str(dspark[0]),
+                                                               "dspark_block_size": 5})

@@ -172,12 +172,23 @@ class DFlashProposer(TargetFeatureBuffer):
         active = [b for b in range(B) if max_tokens[b] > 0]
         if not active:
             return chain.result()
-        logits = self.target.lm_head(self.block_pass(seqs, active)[:, 1:]).float()  # [A, B-1, V]: tokens N .. N+B-2
-        # Draw position by position (independent q_j); p_min stops a row at its first unsure position.
+        hidden = self.block_pass(seqs, active)  # [A, block, d]
+        base = self.target.lm_head(hidden[:, 1:]).float()  # [A, block-1, V]: tokens N .. N+B-2
+        state = self.start_block(seqs, active)
+        # Position by position; p_min stops a row at its first unsure position.
         for step in range(k):
             rows = [b for b in active if step < max_tokens[b] and chain.num[b] == step]
             if not rows:
                 break
             index = torch.tensor([active.index(b) for b in rows], device=self.device)
-            chain.add_step(rows, step, logits[index, step], sampling)
+            self.draw_step(chain, rows, index, step, hidden, base, state, sampling)
         return chain.result()
+
+    def start_block(self, seqs, active: list[int]):
+        """Per-block drafting state (DFlash: none, its positions are independent)."""
+        return None
+
+    def draw_step(self, chain: ChainDraft, rows: list[int], index: torch.Tensor, step: int, hidden: torch.Tensor,
+                  base: torch.Tensor, state, sampling: SamplingBatch) -> None:
+        """Draw position `step` of the given rows (DFlash: from its own q_j)."""
+        chain.add_step(rows, step, base[index, step], sampling)

@@ -22,11 +22,9 @@ import torch
 from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.sampling import SamplingBatch
-from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.drafters.checkpoint import save_checkpoint
 from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, load_block_drafter
-from specdecode.spec.proposer import Draft, register
+from specdecode.spec.proposer import register
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,25 +85,14 @@ class DSparkProposer(DFlashProposer):
 
     default_checkpoint = f"{DEFAULT_MODEL_NAME}-dspark"
 
-    @torch.inference_mode()
-    def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
-        B, k = len(seqs), max(max_tokens)
-        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min)
-        active = [b for b in range(B) if max_tokens[b] > 0]
-        if not active:
-            return chain.result()
-        hidden = self.block_pass(seqs, active)  # [A, block, d]
-        base = self.target.lm_head(hidden[:, 1:]).float()  # [A, block-1, V]: U_j
-        previous = torch.tensor([seqs[b].last_token_id for b in active], device=self.device)  # x_0 = the anchor
-        for step in range(k):
-            rows = [b for b in active if step < max_tokens[b] and chain.num[b] == step]
-            if not rows:
-                break
-            index = torch.tensor([active.index(b) for b in rows], device=self.device)
-            prev = previous[index]
-            logits = self.drafter.markov_logits(base[index, step], prev)
-            chosen = chain.add_step(rows, step, logits, sampling)
-            conf = self.drafter.calibrated(self.drafter.confidence_logit(hidden[index, step + 1], prev), step)
-            chain.confidence[torch.tensor(rows, device=self.device), step] = conf
-            previous[index] = torch.tensor(chosen, device=self.device).clamp(min=0)
-        return chain.result()
+    def start_block(self, seqs, active: list[int]) -> torch.Tensor:
+        """The previous token of every active row: x_0 = the anchor (last committed token)."""
+        return torch.tensor([seqs[b].last_token_id for b in active], device=self.device)
+
+    def draw_step(self, chain, rows, index, step, hidden, base, previous, sampling) -> None:
+        """Markov-corrected q_j given the token drawn before it, then the calibrated confidence c_j."""
+        prev = previous[index]
+        chosen = chain.add_step(rows, step, self.drafter.markov_logits(base[index, step], prev), sampling)
+        conf = self.drafter.calibrated(self.drafter.confidence_logit(hidden[index, step + 1], prev), step)
+        chain.confidence[torch.tensor(rows, device=self.device), step] = conf
+        previous[index] = torch.tensor(chosen, device=self.device).clamp(min=0)
