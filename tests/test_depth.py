@@ -6,7 +6,8 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import SamplingBatch, process_logits
 from specdecode.spec.cost_model import CostModel, load_or_profile
-from specdecode.spec.depth import AcceptanceEstimator, auto_k, dcut_lengths, expected_committed
+from specdecode.config import SpeculativeConfig
+from specdecode.spec.depth import AcceptanceEstimator, DepthController, auto_k, dcut_lengths, expected_committed
 from specdecode.spec.verify import verify
 
 FREE_VERIFY = CostModel({1: {1: 0.01, 9: 0.01}, 64: {1: 0.01, 9: 0.01}}, 128)  # memory-bound: width is free
@@ -38,6 +39,20 @@ def test_auto_k_follows_cost_and_acceptance():
     # A fixed per-step overhead outside the forward makes longer drafts pay.
     assert auto_k(affine, 1, 8, rates(0.6), draft_step_time=0.0, step_overhead=0.02) > 2
     assert expected_committed(0.5, 3) == pytest.approx(1.875) == rates(0.5).expected_committed(3)
+
+
+def test_drafting_cost_scales_with_batch_and_is_learned():
+    cost = CostModel({1: {1: 0.010, 5: 0.0105}, 64: {1: 0.064, 5: 0.080}}, 128)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, draft_length_schedule="auto")
+    depth = DepthController(config, lambda: cost, draft_cost_prior=0.5)
+    assert depth.draft_step_time(1) == pytest.approx(0.005) and depth.draft_step_time(64) == pytest.approx(0.032)
+    # Unmeasured, drafting at batch 64 is assumed to cost half a target step per token: plain decoding wins.
+    assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 0
+    for _ in range(100):  # measured at batch 1: 0.1 ms per drafting step (1% of a target step), all accepted
+        depth.update([None], [4], [4], draft_seconds=4 * 0.0001, num_draft_steps=4)
+    assert depth.draft_cost_ratio == pytest.approx(0.01, rel=0.05)
+    assert depth.draft_step_time(64) == pytest.approx(0.01 * 0.064, rel=0.05)  # the ratio carries to batch 64
+    assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 4
 
 
 def test_estimator_learns_positions_and_calibrates_confidences():

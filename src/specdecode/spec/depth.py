@@ -23,14 +23,19 @@ class DepthController:
     """Decides each step how far every sequence drafts (before proposing) and how much of
     each draft is verified (after proposing), and learns from verification results."""
 
-    def __init__(self, config: SpeculativeConfig, cost_model_loader=None):
+    def __init__(self, config: SpeculativeConfig, cost_model_loader=None, draft_cost_prior: float = 0.5):
         self.k = config.num_speculative_tokens
         self.schedule = config.draft_length_schedule
         self.n_min = config.draft_n_min
         self.pruning = config.verify_pruning
         self.confidence_threshold = config.confidence_threshold
         self.estimator = AcceptanceEstimator(self.k)
-        self.draft_step_time = 0.0  # EMA of seconds per drafting step (one token for every sequence)
+        # Seconds per drafting step (one token for every sequence), modelled as a fraction of the
+        # target's one-token step at the same batch size: drafting, like the target, costs more
+        # per step as the batch grows, and a ratio learned at one batch size carries to another.
+        # Before any measurement the proposer's prior holds: assuming drafting is free would
+        # make the first step at a large batch draft (and catch the drafter up) for nothing.
+        self.draft_cost_ratio = draft_cost_prior  # EMA of measured draft step / T(B, B)
         self.step_overhead = 0.0  # EMA of seconds per step outside drafting and the target forward
         self._cost_model_loader = cost_model_loader
         self._cost = None
@@ -49,7 +54,7 @@ class DepthController:
         """Per sequence: the most draft tokens it may use (also bounded by its remaining room:
         a step commits accepted + 1 tokens, so at most room - 1 drafts are useful)."""
         if self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
-            k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time, self.step_overhead)
+            k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time(len(seqs)), self.step_overhead)
             per_seq = [k] * len(seqs)
         elif self.schedule == "heuristic":
             per_seq = [seq.drafter_state.get("schedule_k", self.k) for seq in seqs]
@@ -73,15 +78,19 @@ class DepthController:
                 lengths[q] = keep
         if self.pruning == "dcut" and max(lengths, default=0) > 0:
             conf = self.estimator.calibrate(confidence) if confidence is not None else self.estimator.confidence(len(lengths))
-            lengths = dcut_lengths(conf, lengths, self.cost, self.draft_step_time * max(num_tokens))
+            lengths = dcut_lengths(conf, lengths, self.cost, self.draft_step_time(len(lengths)) * max(num_tokens))
         return lengths
+
+    def draft_step_time(self, batch_size: int) -> float:
+        """Expected seconds of one drafting step for `batch_size` sequences."""
+        return self.draft_cost_ratio * self.cost.step_time(batch_size, batch_size)
 
     def update(self, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int], draft_seconds: float,
                num_draft_steps: int, confidence: list[list[float]] | None = None, step_seconds: float | None = None) -> None:
         self.estimator.update(num_draft, num_accepted, confidence)
-        if num_draft_steps:
-            step = draft_seconds / num_draft_steps
-            self.draft_step_time = step if self.draft_step_time == 0 else 0.9 * self.draft_step_time + 0.1 * step
+        if num_draft_steps and self._cost is not None:
+            ratio = draft_seconds / num_draft_steps / self._cost.step_time(len(seqs), len(seqs))
+            self.draft_cost_ratio = 0.9 * self.draft_cost_ratio + 0.1 * ratio
         if step_seconds is not None and self._cost is not None:
             # Per-step time the cost model does not see (verification, bookkeeping): favours longer drafts.
             forward = self._cost.step_time(len(seqs), len(seqs) + sum(num_draft))

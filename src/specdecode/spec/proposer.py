@@ -117,6 +117,9 @@ class ProposerBase:
 
     hidden_taps: tuple[int, ...] = ()
     max_tree_depth: int = 0
+    # Prior cost of one drafting step as a fraction of the target's one-token step at the same
+    # batch size (auto-k and D-Cut use it until drafting has been measured): a small model's share.
+    draft_cost_prior: float = 0.5
 
     def on_prefill(self, seqs, result) -> None:
         pass

@@ -46,7 +46,8 @@ class Speculator:
             raise ConfigError(f"speculative_config.tree_topk > 1 (tree drafting) is not supported for method "
                               f"{config.method!r}; methods with trees: {', '.join(tree_methods)}")
         self.depth = DepthController(config, cost_model_loader=lambda: load_or_profile(
-            llm.runner, llm.config.model, max_batch=llm.config.max_num_seqs, max_width=config.num_speculative_tokens + 1))
+            llm.runner, llm.config.model, max_batch=llm.config.max_num_seqs, max_width=config.num_speculative_tokens + 1),
+            draft_cost_prior=self.proposer.draft_cost_prior)
         if self.depth.needs_cost_model:
             self.depth.cost  # profile now, before any request owns a KV slot
         self.k = config.num_speculative_tokens

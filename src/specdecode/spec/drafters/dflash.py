@@ -115,6 +115,7 @@ def load_dflash(path: Path, dtype, device) -> DFlashDrafter:
 
 @register("dflash")
 class DFlashProposer(TargetFeatureBuffer):
+    draft_cost_prior = 0.2  # one block pass shared by all k positions
     default_checkpoint = f"{DEFAULT_MODEL_NAME}-dflash"
 
     def _load(self, ctx: ProposerContext, path: Path) -> DFlashDrafter:

@@ -215,6 +215,7 @@ def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
 
 
 class EagleProposer(TargetFeatureBuffer):
+    draft_cost_prior = 0.3  # one decoder layer + an LM head per step
     variant = "eagle"
     supports_tree = True  # EAGLE-2 dynamic trees when tree_topk > 1
 

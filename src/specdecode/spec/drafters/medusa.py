@@ -77,6 +77,7 @@ def load_heads(path: Path, dtype, device) -> MedusaHeads:
 
 @register("medusa")
 class MedusaProposer(ProposerBase):
+    draft_cost_prior = 0.1  # K small heads on the target's last hidden state
     supports_tree = True
 
     def __init__(self, ctx: ProposerContext):

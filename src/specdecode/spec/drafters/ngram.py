@@ -29,6 +29,8 @@ def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> lis
 
 @register("ngram")
 class NgramProposer(ProposerBase):
+    draft_cost_prior = 0.02  # a host-side lookup
+
     def __init__(self, ctx: ProposerContext):
         self.n_min = ctx.config.prompt_lookup_min
         self.n_max = ctx.config.prompt_lookup_max
