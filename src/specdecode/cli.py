@@ -186,7 +186,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,0.8")
     p.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process: transformers")
+    p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process on the same checkpoint and prompts (batch 1, greedy): transformers, llama.cpp (needs llama-cpp-python and gguf: pip install -e .[peers])")
     _add_model_args(p, speculative=False)
     p.set_defaults(func=_run_bench)
 
@@ -263,13 +263,17 @@ def _run_profile(args) -> int:
 
 
 def _add_export(sub) -> None:
-    p = sub.add_parser("export", help="write a drafter in another engine's checkpoint layout",
+    p = sub.add_parser("export", help="write a model or drafter in another engine's checkpoint layout",
                        description="--format speculators: an EAGLE-3 drafter in the speculators / vLLM layout "
-                       "(LlamaForCausalLMEagle3 config, fc / layers.0.* / norm / lm_head / d2t / t2d).")
-    p.add_argument("--format", required=True, choices=["speculators"])
-    p.add_argument("--drafter", required=True, help="the EAGLE-3 drafter directory to export")
-    p.add_argument("--target", default=None, help="its target model (default: the embedded model)")
-    p.add_argument("--out", required=True, help="output directory")
+                       "(LlamaForCausalLMEagle3 config, fc / layers.0.* / norm / lm_head / d2t / t2d). "
+                       "--format gguf: a Llama-family model (the default model, a draft model) as one GGUF "
+                       "file for llama.cpp (needs the gguf package: pip install -e .[export]).")
+    p.add_argument("--format", required=True, choices=["speculators", "gguf"])
+    p.add_argument("--drafter", default=None, help="speculators: the EAGLE-3 drafter directory to export")
+    p.add_argument("--model", default=None, help="gguf: the model directory (default: the embedded model)")
+    p.add_argument("--gguf-type", default="f16", choices=["f16", "f32"], help="gguf: weight type (norms stay f32)")
+    p.add_argument("--target", default=None, help="speculators: the drafter's target model (default: the embedded model)")
+    p.add_argument("--out", required=True, help="output directory (speculators) or .gguf file (gguf)")
     p.set_defaults(func=_run_export)
 
 
@@ -277,10 +281,19 @@ def _run_export(args) -> int:
     import torch
 
     from specdecode.defaults import default_model_dir
-    from specdecode.spec.drafters.eagle import export_speculators, load_drafter
+    from specdecode.errors import ConfigError
 
-    drafter = load_drafter(Path(args.drafter), torch.float32, "cpu")
-    export_speculators(drafter, Path(args.target) if args.target else default_model_dir(), Path(args.out))
+    if args.format == "gguf":
+        from specdecode.models.gguf_export import export_gguf
+
+        export_gguf(Path(args.model) if args.model else default_model_dir(), Path(args.out), args.gguf_type)
+    else:
+        from specdecode.spec.drafters.eagle import export_speculators, load_drafter
+
+        if args.drafter is None:
+            raise ConfigError("--format speculators needs --drafter DIR (an EAGLE-3 drafter)")
+        drafter = load_drafter(Path(args.drafter), torch.float32, "cpu")
+        export_speculators(drafter, Path(args.target) if args.target else default_model_dir(), Path(args.out))
     print(f"wrote {args.out}")
     return 0
 

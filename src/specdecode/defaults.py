@@ -15,6 +15,11 @@ from specdecode.errors import ModelLoadError
 DEFAULT_MODEL_NAME = "stdlib-code-22m"
 
 
+def cache_root() -> Path:
+    """Where measured and converted artefacts are cached: $SPECDECODE_CACHE or ~/.cache/specdecode."""
+    return Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode"))
+
+
 def models_dir() -> Path:
     env = os.environ.get("SPECDECODE_MODELS_DIR")
     if env:

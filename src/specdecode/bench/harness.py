@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import platform
 import time
 from pathlib import Path
@@ -22,6 +23,8 @@ from specdecode.config import SamplingParams, SpeculativeConfig
 from specdecode.engine.engine import LLM
 from specdecode.errors import ConfigError
 from specdecode.spec.metrics import SpecStats
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -53,6 +56,9 @@ class MethodSpec:
         return cls(text, config)
 
 
+PEERS = ("transformers", "llama.cpp")
+
+
 @dataclasses.dataclass(slots=True)
 class BenchConfig:
     methods: list[MethodSpec]
@@ -66,7 +72,12 @@ class BenchConfig:
     device: str = "auto"
     seed: int = 0
     out_dir: Path = Path("bench_out")
-    peers: list[str] = dataclasses.field(default_factory=list)  # "transformers"
+    peers: list[str] = dataclasses.field(default_factory=list)  # PEERS
+
+    def __post_init__(self) -> None:
+        unknown = [p for p in self.peers if p not in PEERS]
+        if unknown:
+            raise ConfigError(f"--peers {','.join(unknown)}: accepted: {', '.join(PEERS)}")
 
 
 def machine_info(llm: LLM) -> dict:
@@ -96,6 +107,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     total = len(cfg.temperatures) * len(cfg.concurrency) * len(cfg.methods)
     bar = tqdm(total=total, desc="bench", unit="run")
     info = None
+    peer_errors: dict[str, str] = {}
     for temperature in cfg.temperatures:
         # Seeds per prompt: sampled runs draw the same way for every method.
         params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, ignore_eos=True,
@@ -134,12 +146,14 @@ def run_bench(cfg: BenchConfig) -> dict:
                     record["outputs_equal_to_plain"] = f"{same}/{len(outs)}"
                 runs.append(record)
                 bar.update(1)
-            # Peers run at batch 1 (transformers' speculative generate is batch-1 only), greedy.
-            if "transformers" in cfg.peers and concurrency == 1 and temperature == 0 and baseline is not None:
-                runs += _transformers_runs(cfg, llm, prompts, temperature, baseline)
+            # Peers run at batch 1 (their speculative generation is batch-1 only), greedy.
+            if cfg.peers and concurrency == 1 and temperature == 0 and baseline is not None:
+                runs += _peer_runs(cfg, llm, prompts, temperature, baseline, peer_errors)
     bar.close()
     result = {"machine": info, "model": str(cfg.model or "default"), "prompts": cfg.prompts,
               "num_prompts": len(prompts), "max_tokens": cfg.max_tokens, "runs": runs}
+    if peer_errors:
+        result["peer_errors"] = peer_errors
     cfg.out_dir.mkdir(parents=True, exist_ok=True)
     (cfg.out_dir / "results.json").write_text(json.dumps(result, indent=2) + "\n")
     (cfg.out_dir / "results.md").write_text(markdown_table(result))
@@ -147,27 +161,42 @@ def run_bench(cfg: BenchConfig) -> dict:
     return result
 
 
-def _transformers_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: float, baseline) -> list[dict]:
-    """HF transformers plain / assisted / prompt lookup on the same checkpoint, prompts and dtype."""
-    from specdecode.bench.peers import run_transformers
+def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: float, baseline,
+               errors: dict[str, str]) -> list[dict]:
+    """Peer engines on the same checkpoint, prompts and draft model (batch 1, greedy): HF
+    transformers (plain / assisted / prompt lookup) and llama.cpp (plain / prompt lookup /
+    draft model). A peer that cannot run here is recorded with the reason, not silently dropped."""
+    from specdecode.bench.peers import run_llama_cpp, run_transformers
     from specdecode.defaults import DEFAULT_MODEL_NAME, is_default_model, models_dir
 
     drafts = [m.config for m in cfg.methods if m.config and m.config["method"] == "draft_model"]
     k = drafts[0].get("num_speculative_tokens", 4) if drafts else 4
     draft_dir = Path(drafts[0]["model"]) if drafts and drafts[0].get("model") else (
         models_dir() / f"{DEFAULT_MODEL_NAME}-draft" if is_default_model(llm.config.model) else None)
-    rows = run_transformers(Path(llm.config.model), draft_dir, prompts, cfg.max_tokens, temperature, llm.dtype, k, cfg.seed)
+    model_dir = Path(llm.config.model)
+    runners = {
+        "transformers": lambda: run_transformers(model_dir, draft_dir, prompts, cfg.max_tokens, temperature, llm.dtype,
+                                                 k, cfg.seed),
+        "llama.cpp": lambda: run_llama_cpp(model_dir, draft_dir, [llm.tokenizer.encode(p) for p in prompts],
+                                           cfg.max_tokens, k, torch.get_num_threads()),
+    }
     records = []
-    for row in rows:
-        tps = row["tokens"] / row["wall_seconds"]
-        record = {"method": row["method"], "engine": "transformers", "config": None, "temperature": temperature,
-                  "concurrency": 1, "num_prompts": len(prompts), "output_tokens": row["tokens"],
-                  "wall_seconds": round(row["wall_seconds"], 4), "tokens_per_second": round(tps, 2),
-                  "speedup": round(tps / baseline[0]["tokens_per_second"], 3)}
-        if temperature == 0:
+    for engine in cfg.peers:
+        try:
+            rows = runners[engine]()
+        except ImportError as e:
+            log.warning("peer %s unavailable: %s", engine, e)
+            errors[engine] = f"not installed: {e}"
+            continue
+        for row in rows:
+            tps = row["tokens"] / row["wall_seconds"]
+            record = {"method": row["method"], "engine": engine, "config": None, "temperature": temperature,
+                      "concurrency": 1, "num_prompts": len(prompts), "output_tokens": row["tokens"],
+                      "wall_seconds": round(row["wall_seconds"], 4), "tokens_per_second": round(tps, 2),
+                      "speedup": round(tps / baseline[0]["tokens_per_second"], 3)}
             same = sum(o == b.token_ids for o, b in zip(row["outputs"], baseline[1]))
             record["outputs_equal_to_plain"] = f"{same}/{len(prompts)}"
-        records.append(record)
+            records.append(record)
     return records
 
 
@@ -190,6 +219,8 @@ def markdown_table(result: dict) -> str:
         lines.append(
             f"| {r['method']} | {r['temperature']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | "
             f"{r['speedup']:.2f}x | {acceptance} | {length} | {per_pos} | {split} | {r.get('outputs_equal_to_plain', '')} |")
+    for engine, reason in result.get("peer_errors", {}).items():
+        lines += ["", f"Peer {engine} did not run: {reason}"]
     return "\n".join(lines) + "\n"
 
 

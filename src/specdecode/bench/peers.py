@@ -1,9 +1,15 @@
-"""Peer engines measured in the same run as specdecode: Hugging Face transformers `generate`.
+"""Peer engines measured in the same run as specdecode, on the same checkpoint and prompts.
 
-Three variants on the same checkpoint and prompts, batch 1 (transformers' speculative
-generation is batch-1 only): plain, `assistant_model=` (the same draft model specdecode's
-`draft_model` method uses, `num_assistant_tokens` = k, constant schedule) and
-`prompt_lookup_num_tokens=k`.
+Hugging Face transformers `generate`, batch 1 (its speculative generation is batch-1 only):
+plain, `assistant_model=` (the same draft model specdecode's `draft_model` method uses,
+`num_assistant_tokens` = k, constant schedule) and `prompt_lookup_num_tokens=k`.
+
+llama.cpp through llama-cpp-python, batch 1, greedy: plain, its prompt-lookup drafter
+(`LlamaPromptLookupDecoding`, k tokens) and the same draft model (a `LlamaDraftModel` that
+drafts k greedy tokens with a second llama.cpp context; llama-cpp-python verifies the draft
+in one batched eval and keeps the matching prefix). Both models are converted to GGUF by
+`specdecode.models.gguf_export` (f16 weights, f32 norms) and fed the prompts' token ids, so
+tokenization cannot differ.
 """
 
 from __future__ import annotations
@@ -48,3 +54,77 @@ def run_transformers(model_dir: Path, draft_dir: Path | None, prompts: list[str]
             wall = time.perf_counter() - start
         rows.append({"method": label, "tokens": total_tokens, "wall_seconds": wall, "outputs": outputs})
     return rows
+
+
+def run_llama_cpp(model_dir: Path, draft_dir: Path | None, prompt_ids: list[list[int]], max_tokens: int, k: int,
+                  threads: int) -> list[dict]:
+    """Greedy, batch 1: plain, prompt lookup and (with `draft_dir`) the draft model, k drafts."""
+    import numpy as np
+    from llama_cpp import Llama, LlamaDraftModel, LlamaPromptLookupDecoding
+
+    n_ctx = max(len(p) for p in prompt_ids) + max_tokens + k + 8
+    common = {"n_ctx": n_ctx, "n_threads": threads, "n_threads_batch": threads, "verbose": False, "seed": 0}
+    target_gguf = gguf_file(model_dir)
+
+    class DraftModel(LlamaDraftModel):
+        """k greedy tokens from a llama.cpp context on the draft GGUF (its KV reused by prefix match)."""
+
+        def __init__(self, path: Path):
+            self.llm = Llama(str(path), **common)
+
+        def __call__(self, input_ids, /, **kwargs):
+            out = []
+            for token in self.llm.generate(input_ids.tolist(), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                           repeat_penalty=1.0):
+                out.append(token)
+                if len(out) == k:
+                    break
+            return np.asarray(out, dtype=np.intc)
+
+    variants = [("llama.cpp", None), (f"llama.cpp prompt-lookup k={k}", lambda: LlamaPromptLookupDecoding(num_pred_tokens=k))]
+    if draft_dir is not None and (draft_dir / "config.json").is_file():
+        draft_gguf = gguf_file(draft_dir)
+        variants.append((f"llama.cpp draft-model k={k}", lambda: DraftModel(draft_gguf)))
+    rows = []
+    for label, make_drafter in variants:
+        llm = Llama(str(target_gguf), draft_model=make_drafter() if make_drafter else None, **common)
+
+        def complete(ids: list[int], n: int) -> list[int]:
+            llm.reset()
+            if llm.draft_model is not None and hasattr(llm.draft_model, "llm"):
+                llm.draft_model.llm.reset()
+            out = []
+            for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+                out.append(token)
+                if len(out) == n:
+                    break
+            return out
+
+        complete(prompt_ids[0], 8)  # warm-up
+        outputs, total = [], 0
+        start = time.perf_counter()
+        for ids in prompt_ids:
+            out = complete(ids, max_tokens)
+            outputs.append(out)
+            total += len(out)
+        rows.append({"method": label, "tokens": total, "wall_seconds": time.perf_counter() - start, "outputs": outputs})
+        llm.close()
+    return rows
+
+
+def gguf_file(model_dir: Path) -> Path:
+    """The GGUF conversion of `model_dir`, cached under $SPECDECODE_CACHE/gguf by content hash."""
+    import hashlib
+
+    from specdecode.models.gguf_export import export_gguf
+    from specdecode.defaults import cache_root
+
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        digest.update((model_dir / name).read_bytes())
+    path = cache_root() / "gguf" / f"{model_dir.name}-{digest.hexdigest()[:12]}.gguf"
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        export_gguf(model_dir, tmp)
+        tmp.replace(path)
+    return path

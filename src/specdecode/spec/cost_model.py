@@ -16,13 +16,13 @@ import dataclasses
 import hashlib
 import json
 import logging
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from specdecode.defaults import cache_root
 from specdecode.engine.runner import ForwardEntry, Runner
 
 log = logging.getLogger(__name__)
@@ -73,8 +73,7 @@ def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Pat
     weights = sorted(Path(model_dir).glob("*.safetensors"))
     stamp = [str(Path(model_dir).resolve())] + [f"{w.name}:{w.stat().st_mtime_ns}" for w in weights]
     key = "|".join(stamp + [str(dtype), str(device), torch.__version__, str(torch.get_num_threads())])
-    root = Path(os.environ.get("SPECDECODE_CACHE", Path.home() / ".cache" / "specdecode"))
-    return root / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
+    return cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
 @torch.inference_mode()
