@@ -78,3 +78,6 @@ def test_dspark_config_errors(native_model, dspark):
     with pytest.raises(ConfigError, match="block_size - 1"):
         LLM(native_model, dtype="float32", speculative_config={"method": "dspark", "model": str(dspark[0]),
                                                                "dspark_block_size": 5})
+    with pytest.raises(ConfigError, match="methods with trees: .*dflash"):
+        LLM(native_model, dtype="float32", speculative_config={"method": "dspark", "model": str(dspark[0]),
+                                                               "num_speculative_tokens": 3, "tree_topk": 2})

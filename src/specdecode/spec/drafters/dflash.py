@@ -34,6 +34,7 @@ from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
 from specdecode.spec.drafters.features import TargetFeatureBuffer
 from specdecode.spec.proposer import Draft, ProposerContext, register, resolve_drafter_dir
+from specdecode.spec.tree import StaticTree
 
 
 def default_target_layers(num_target_layers: int, n: int = 3) -> tuple[int, ...]:
@@ -116,6 +117,9 @@ def load_dflash(path: Path, dtype, device) -> DFlashDrafter:
 @register("dflash")
 class DFlashProposer(TargetFeatureBuffer):
     draft_cost_prior = 0.2  # one block pass shared by all k positions
+    # Block positions are drafted independently given the context, so a static tree over their
+    # top-k tokens (as Medusa's over its heads) is exact; DSpark's Markov head chains them.
+    supports_tree = True
     default_checkpoint = f"{DEFAULT_MODEL_NAME}-dflash"
 
     def _load(self, ctx: ProposerContext, path: Path) -> DFlashDrafter:
@@ -136,6 +140,11 @@ class DFlashProposer(TargetFeatureBuffer):
         self.hidden_taps = cfg.target_layer_ids
         self.p_min = ctx.config.draft_p_min
         self.kv_cache = KVCache(cfg.layers, ctx.num_slots, ctx.max_len + cfg.block_size + 2, ctx.dtype, ctx.device)
+        self.tree = None
+        if ctx.config.tree_topk > 1 and self.supports_tree:
+            self.tree = StaticTree(ctx.config.num_speculative_tokens, ctx.config.tree_topk, ctx.config.tree_num_nodes,
+                                   ctx.device)
+            self.max_tree_depth = self.tree.max_depth
 
     def target_features(self, result) -> torch.Tensor:
         return torch.cat([result.taps[i] for i in self.drafter.cfg.target_layer_ids], dim=-1)
@@ -175,6 +184,10 @@ class DFlashProposer(TargetFeatureBuffer):
             return chain.result()
         hidden = self.block_pass(seqs, active)  # [A, block, d]
         base = self.target.lm_head(hidden[:, 1:]).float()  # [A, block-1, V]: tokens N .. N+B-2
+        if self.tree is not None:
+            tokens = torch.zeros(B, len(self.tree.paths), dtype=torch.long, device=self.device)
+            tokens[torch.tensor(active, device=self.device)] = self.tree.tokens(base)
+            return self.tree.draft(tokens, [m > 0 for m in max_tokens])
         state = self.start_block(seqs, active)
         # Position by position; p_min stops a row at its first unsure position.
         for step in range(k):

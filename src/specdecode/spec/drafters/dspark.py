@@ -80,6 +80,8 @@ def load_dspark(path: Path, vocab_size: int, dtype, device) -> DSparkDrafter:
 
 @register("dspark")
 class DSparkProposer(DFlashProposer):
+    supports_tree = False  # the Markov head makes each position depend on the token drawn before it
+
     def _load(self, ctx, path: Path):
         return load_dspark(path, ctx.target.config.vocab_size, ctx.dtype, ctx.device)
 

@@ -13,7 +13,6 @@ highest prior score, prod_d 1 / (rank_d + 2), expanded from the top `tree_topk` 
 
 from __future__ import annotations
 
-import heapq
 from pathlib import Path
 
 import torch
@@ -23,6 +22,7 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
 from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register, resolve_drafter_dir
+from specdecode.spec.tree import StaticTree
 
 
 class MedusaHeads(nn.Module):
@@ -37,26 +37,6 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [.., d] -> per-head states [.., K, d] (feed to the target's LM head)."""
         return torch.stack([hidden + nn.functional.silu(block(hidden)) for block in self.blocks], dim=-2)
-
-
-def static_tree(num_heads: int, topk: int, num_nodes: int) -> list[tuple[int, ...]]:
-    """Paths of head ranks (rank of head 1, rank of head 2, ...) with the highest prior
-    prod 1/(rank+2), parents before children. topk 1 gives the chain (0,), (0, 0), ..."""
-    def score(path):
-        out = 1.0
-        for r in path:
-            out /= r + 2
-        return out
-
-    chosen, frontier = [], [(-score((r,)), (r,)) for r in range(topk)]
-    heapq.heapify(frontier)
-    while frontier and len(chosen) < num_nodes:
-        _, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if len(path) < num_heads:
-            for r in range(topk):
-                heapq.heappush(frontier, (-score(path + (r,)), path + (r,)))
-    return sorted(chosen, key=lambda p: (len(p), p))  # by depth: parents come first
 
 
 def save_heads(heads: MedusaHeads, out: Path, target_dir: Path, report: dict | None = None) -> None:
@@ -91,15 +71,9 @@ class MedusaProposer(ProposerBase):
             raise ConfigError("speculative_config.model: the Medusa heads' hidden size does not match the target's")
         self.target = ctx.target
         self.device = ctx.device
-        self.paths = static_tree(depth, ctx.config.tree_topk, ctx.config.tree_num_nodes)
-        index = {p: i for i, p in enumerate(self.paths)}
-        self.parents = [index.get(p[:-1], -1) for p in self.paths]
-        self.max_tree_depth = max(len(p) for p in self.paths)
+        self.tree = StaticTree(depth, ctx.config.tree_topk, ctx.config.tree_num_nodes, ctx.device)
+        self.max_tree_depth = self.tree.max_depth
         self.is_chain = ctx.config.tree_topk == 1
-        # Gather plan: node i's token = rank paths[i][-1] of head len(paths[i]).
-        self.node_head = torch.tensor([len(p) - 1 for p in self.paths], device=ctx.device)
-        self.node_rank = torch.tensor([p[-1] for p in self.paths], device=ctx.device)
-        self.topk = ctx.config.tree_topk
         self.p_min = ctx.config.draft_p_min
 
     def on_prefill(self, seqs, result) -> None:
@@ -120,17 +94,13 @@ class MedusaProposer(ProposerBase):
     def propose(self, seqs, max_tokens, sampling) -> Draft:
         hidden = torch.stack([s.drafter_state["hidden"] for s in seqs])  # [B, d]
         logits = self.target.lm_head(self.heads(hidden))  # [B, K, V]
-        ranked = logits.topk(self.topk, dim=-1).indices  # [B, K, topk]
-        tokens = ranked[:, self.node_head, self.node_rank]  # [B, nodes]
-        B, n = tokens.shape
-        if self.is_chain:
-            num = torch.tensor([min(m, n) for m in max_tokens], device=self.device)
-            if self.p_min > 0:  # llama.cpp p_min: stop at the first head that is unsure of its top token
-                sure = logits.softmax(dim=-1).amax(dim=-1)[:, :n] >= self.p_min  # [B, n]
-                num = torch.minimum(num, sure.long().cumprod(dim=1).sum(dim=1))
-            cols = torch.arange(n, device=self.device)[None, :]
-            return Draft(torch.where(cols < num[:, None], tokens, -1), num)
-        # Trees deeper than a sequence's room are dropped by the speculator (decoded normally).
-        parents = torch.tensor(self.parents, device=self.device).expand(B, n)
-        num = torch.tensor([n if m > 0 else 0 for m in max_tokens], device=self.device)
-        return Draft(tokens, num, parents=parents.clone())
+        tokens = self.tree.tokens(logits)  # [B, nodes]; a chain: every head's top token
+        if not self.is_chain:
+            return self.tree.draft(tokens, [m > 0 for m in max_tokens])
+        n = tokens.shape[1]
+        num = torch.tensor([min(m, n) for m in max_tokens], device=self.device)
+        if self.p_min > 0:  # llama.cpp p_min: stop at the first head that is unsure of its top token
+            sure = logits.softmax(dim=-1).amax(dim=-1)[:, :n] >= self.p_min  # [B, n]
+            num = torch.minimum(num, sure.long().cumprod(dim=1).sum(dim=1))
+        cols = torch.arange(n, device=self.device)[None, :]
+        return Draft(torch.where(cols < num[:, None], tokens, -1), num)
