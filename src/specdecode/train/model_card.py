@@ -41,6 +41,23 @@ def greedy_samples(model_dir: Path, num: int = 3, max_tokens: int = 64) -> list[
     return [(p, o.text) for p, o in zip(prompts, outs)]
 
 
+def _architecture(config: dict) -> str:
+    """One line: the class, the decoder layers' shape (top level, or nested for drafters) and drafter specifics."""
+    layers = config.get("layer") or config.get("layers") or config
+    parts = []
+    if "num_hidden_layers" in layers:
+        parts.append(f"{layers['num_hidden_layers']} layer(s), hidden {layers['hidden_size']}, "
+                     f"{layers['num_attention_heads']} heads / {layers['num_key_value_heads']} KV heads, "
+                     f"MLP {layers['intermediate_size']}, vocab {layers['vocab_size']}, "
+                     f"context {layers['max_position_embeddings']}")
+    extra = {**config, **config.get("dspark_config", {}), **config.get("dflash_config", {})}
+    for key in ("variant", "aux_hidden_state_layer_ids", "draft_vocab_size", "medusa_num_heads", "block_size",
+                "target_layer_ids", "mask_token_id", "markov_rank"):
+        if key in extra:
+            parts.append(f"{key} {extra[key]}")
+    return f"{config['architectures'][0]}: " + ", ".join(parts)
+
+
 def write_card(model_dir: Path, title: str, command: str, description: str, samples: bool) -> str:
     report = json.loads((model_dir / "training_report.json").read_text())
     config = json.loads((model_dir / "config.json").read_text())
@@ -48,9 +65,7 @@ def write_card(model_dir: Path, title: str, command: str, description: str, samp
     lines = [f"# {title}", "", description, "",
              "| | |", "| --- | --- |",
              f"| parameters | {n_params / 1e6:.1f}M ({mb:.1f} MB bf16 safetensors) |",
-             f"| architecture | {config['architectures'][0]}: {config['num_hidden_layers']} layers, hidden "
-             f"{config['hidden_size']}, {config['num_attention_heads']} heads / {config['num_key_value_heads']} KV heads, "
-             f"MLP {config['intermediate_size']}, vocab {config['vocab_size']}, context {config['max_position_embeddings']} |",
+             f"| architecture | {_architecture(config)} |",
              f"| training wall time | {report['wall_seconds'] / 60:.1f} min on this project's 2-core CPU machine |",
              f"| tokens seen | {report['tokens_seen'] / 1e6:.2f}M |"]
     for key, label in (("val_loss", "validation loss (nats/token)"), ("val_perplexity", "validation perplexity"),

@@ -183,7 +183,7 @@ class DFlashProposer(TargetFeatureBuffer):
         if not active:
             return chain.result()
         hidden = self.block_pass(seqs, active)  # [A, block, d]
-        base = self.target.lm_head(hidden[:, 1:]).float()  # [A, block-1, V]: tokens N .. N+B-2
+        base = self.target.compute_logits(hidden[:, 1:])  # [A, block-1, V]: tokens N .. N+B-2
         if self.tree is not None:
             tokens = torch.zeros(B, len(self.tree.paths), dtype=torch.long, device=self.device)
             tokens[torch.tensor(active, device=self.device)] = self.tree.tokens(base)

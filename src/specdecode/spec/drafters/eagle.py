@@ -34,7 +34,7 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.runner import ForwardEntry, build_attention
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
-from specdecode.models.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding
+from specdecode.models.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding, row_linear
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
@@ -110,10 +110,10 @@ class EagleDrafter(nn.Module):
     def logits(self, out: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
         """o [.., d] -> logits over the drafter's vocabulary (eagle3: the draft vocabulary)."""
         if self.cfg.variant == "eagle":
-            return target.lm_head(out).float()
+            return target.compute_logits(out)
         if self.cfg.variant == "mtp":
-            return target.lm_head(target.model.norm(out)).float()
-        return self.lm_head(self.norm(out)).float()
+            return target.compute_logits(target.model.norm(out))
+        return row_linear(self.lm_head, self.norm(out)).float()
 
     @property
     def draft_to_target(self) -> torch.Tensor | None:

@@ -93,7 +93,7 @@ class MedusaProposer(ProposerBase):
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling) -> Draft:
         hidden = torch.stack([s.drafter_state["hidden"] for s in seqs])  # [B, d]
-        logits = self.target.lm_head(self.heads(hidden))  # [B, K, V]
+        logits = self.target.compute_logits(self.heads(hidden))  # [B, K, V]
         tokens = self.tree.tokens(logits)  # [B, nodes]; a chain: every head's top token
         if not self.is_chain:
             return self.tree.draft(tokens, [m > 0 for m in max_tokens])
