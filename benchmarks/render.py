@@ -50,6 +50,21 @@ def bench_section(name: str, title: str, command: str, intro: str) -> list[str]:
     return lines
 
 
+def calibration_section(command: str) -> list[str]:
+    path = RESULTS / "calibration" / "calibration.json"
+    if not path.is_file():
+        return []
+    data = json.loads(path.read_text())
+    lines = ["## DSpark confidence head: calibration while serving", "",
+             "Cumulative confidence a_j against the measured acceptance of draft position j (HumanEval, T=1), "
+             "with the per-position temperatures fitted after training and without them.", "",
+             "| confidence | positions | expected calibration error |", "| --- | --- | --- |"]
+    for name in ("raw", "calibrated"):
+        lines.append(f"| {name} | {data[name]['num_positions']} | {data[name]['ece']:.3f} |")
+    lines += ["", "![calibration](benchmarks/results/calibration/calibration.png)", "", f"Reproduce: `{command}`", ""]
+    return lines
+
+
 def serve_section() -> list[str]:
     folder = RESULTS / "serve"
     if not (folder / "serve.md").is_file():
@@ -73,6 +88,11 @@ def main() -> None:
                            "The embedded default model (stdlib-code-22m) as target; `= plain` counts outputs "
                            "identical to plain decoding token for token (in bf16, different matmul shapes can flip "
                            "near-ties; the float32 tests require identity).")
+    lines += bench_section("mtbench", "Speculative decoding at batch 1 on MT-Bench (first turns, greedy)",
+                           commands.get("mtbench", ""),
+                           "Open-ended questions instead of code: less for prompt lookup to copy, and a code model "
+                           "as target (the drafters were trained on the same stdlib corpus).")
+    lines += calibration_section(commands.get("calibration", ""))
     lines += bench_section("concurrency", "Speculation under load: fixed k, auto-k and D-Cut by concurrency",
                            commands.get("concurrency", ""),
                            "Throughput speedup over plain decoding at each concurrency (requests decoded at once).")

@@ -1,19 +1,25 @@
 #!/usr/bin/env bash
 # Measure every benchmark of BENCHMARKS.md on this machine and regenerate it.
-# Needs the bench extras: pip install -e ".[test,bench]"
+# Needs the bench extras: pip install -e ".[test,bench,peers]"
 set -euo pipefail
 cd "$(dirname "$0")/.."
 R=benchmarks/results
 mkdir -p "$R"
-SPEC='specdecode bench --methods none,ngram:k=2,ngram:k=4,draft_model:k=2,draft_model:k=3,draft_model:k=5 --num-prompts 16 --max-tokens 128 --temperature 0,0.8 --concurrency 1 --peers transformers --out benchmarks/results/spec'
-CONC='specdecode bench --methods none,draft_model:k=4,draft_model:k=4:draft_length_schedule=auto,draft_model:k=4:verify_pruning=dcut --num-prompts 64 --max-tokens 64 --concurrency 1,4,16,32,64 --out benchmarks/results/concurrency'
-python - "$SPEC" "$CONC" <<'PY'
+TREE=tree_topk=4:tree_num_nodes=24
+SPEC="specdecode bench --methods none,ngram:k=4,draft_model:k=5,medusa:k=4,medusa:k=4:$TREE,eagle:k=5,eagle:k=5:$TREE,eagle3:k=5,eagle3:k=5:$TREE,mtp:k=5,mtp:k=5:$TREE,dflash:k=7,dflash:k=15,dflash:k=7:$TREE,dspark:k=7,dspark:k=7:confidence_threshold=0.3 --num-prompts 16 --max-tokens 128 --temperature 0,1 --concurrency 1 --peers transformers,llama.cpp --out benchmarks/results/spec"
+MTBENCH="specdecode bench --prompts mtbench --methods none,ngram:k=4,draft_model:k=5,eagle3:k=5,eagle3:k=5:$TREE,mtp:k=5,dflash:k=7,dspark:k=7 --num-prompts 16 --max-tokens 128 --out benchmarks/results/mtbench"
+CONC='specdecode bench --methods none,draft_model:k=4,draft_model:k=4:draft_length_schedule=auto,draft_model:k=4:verify_pruning=dcut,eagle3:k=4,eagle3:k=4:verify_pruning=dcut --num-prompts 64 --max-tokens 64 --concurrency 1,4,16,32,64 --out benchmarks/results/concurrency'
+CALIB='python benchmarks/dspark_calibration.py --out benchmarks/results/calibration'
+python - "$SPEC" "$MTBENCH" "$CONC" "$CALIB" <<'PY'
 import json, sys
-json.dump({"spec": sys.argv[1], "concurrency": sys.argv[2]}, open("benchmarks/results/commands.json", "w"), indent=2)
+keys = ["spec", "mtbench", "concurrency", "calibration"]
+json.dump(dict(zip(keys, sys.argv[1:])), open("benchmarks/results/commands.json", "w"), indent=2)
 PY
 python benchmarks/engine_bench.py --out "$R/engine.json"
 eval "$SPEC"
+eval "$MTBENCH"
 eval "$CONC"
+eval "$CALIB"
 python -m specdecode.bench.loadgen --concurrency 1,4,16,64 --max-tokens 64 \
     --speculative-config '{"method": "draft_model", "num_speculative_tokens": 3}' --out "$R/serve"
 python benchmarks/render.py
