@@ -478,6 +478,15 @@ RECIPES: dict[str, DrafterRecipe] = {
 
 # ---- the shared loop ---------------------------------------------------------------------------
 
+def invocation() -> str | None:
+    """The command line that is running, as typed (None when not run from the CLI)."""
+    import shlex
+    import sys
+
+    name = Path(sys.argv[0]).name
+    return shlex.join(["specdecode", *sys.argv[1:]]) if name == "specdecode" else None
+
+
 def target_logits(target: LlamaForCausalLM, inputs: torch.Tensor) -> torch.Tensor:
     B, T = inputs.shape
     with torch.no_grad():
@@ -562,7 +571,7 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     if recipe.finalize is not None:
         after.update(recipe.finalize(drafter, target, val_tokens, cfg, device))
     report = {
-        "method": cfg.method, "data": cfg.data, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
+        "method": cfg.method, "target": cfg.target.name, "command": invocation(), "data": cfg.data, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
         "wall_seconds": ckpt.elapsed(), "parameters": sum(p.numel() for p in drafter.parameters()),
         "final_train_loss": float(np.mean(losses[-30:])) if losses else None,
         "before_training": before, **after,

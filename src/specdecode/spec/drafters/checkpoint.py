@@ -18,6 +18,10 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out: Path, tar
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous() for k, v in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    if report is not None and "method" in report:
+        # Provenance: which method this drafter serves, for which target, made by which command.
+        config = {**config, "specdecode": {"method": report["method"], "target": report.get("target"),
+                                           "training_command": report.get("command")}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (target_dir / name).is_file():
