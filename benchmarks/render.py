@@ -50,6 +50,14 @@ def bench_section(name: str, title: str, command: str, intro: str) -> list[str]:
     return lines
 
 
+DATA_ABLATION_COMMAND = (
+    "for d in corpus generated; do specdecode train-drafter --method dflash --block-size 8 --data $d "
+    "--generated-sequences 256 --context 384 --batch-size 4 --max-steps 300 --work-dir runs/cmp-$d "
+    "--out runs/cmp-$d/model; done; specdecode bench --methods none,dflash:k=7:model=runs/cmp-corpus/model,"
+    "dflash:k=7:model=runs/cmp-generated/model --num-prompts 16 --max-tokens 128 --temperature 0,1 "
+    "--out benchmarks/results/data_ablation")
+
+
 def calibration_section(command: str) -> list[str]:
     path = RESULTS / "calibration" / "calibration.json"
     if not path.is_file():
@@ -93,6 +101,14 @@ def main() -> None:
                            "Open-ended questions instead of code: less for prompt lookup to copy, and a code model "
                            "as target (the drafters were trained on the same stdlib corpus).")
     lines += calibration_section(commands.get("calibration", ""))
+    lines += bench_section("data_ablation", "Drafter training data: stdlib corpus vs the target's own generations",
+                           DATA_ABLATION_COMMAND,
+                           "Two DFlash drafters (block 8) trained with the same recipe and budget (300 steps of "
+                           "4 x 384 tokens, about 10-11 min each), one on corpus windows with the target's soft "
+                           "labels (`--data corpus`), one on 256 continuations the target sampled from corpus "
+                           "prompts (`--data generated`, generating them took another 8.3 min). Generated data "
+                           "wins at T=0 by 6% in mean acceptance length and ties at T=1; at equal compute the "
+                           "corpus stays the default.")
     lines += bench_section("concurrency", "Speculation under load: fixed k, auto-k and D-Cut by concurrency",
                            commands.get("concurrency", ""),
                            "Throughput speedup over plain decoding at each concurrency (requests decoded at once).")

@@ -131,8 +131,11 @@ def _add_train_drafter(sub) -> None:
     p.add_argument("--work-dir", default=None, help="checkpoints (default: runs/train-drafter-<method>)")
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
     p.add_argument("--data", default="corpus", choices=["corpus", "generated"],
-                   help="corpus: stdlib windows with the target's soft labels; generated: the target's own "
-                   "continuations of corpus prompts (generated once, cached in WORK_DIR, resumable)")
+                   help="corpus (default): stdlib windows with the target's soft labels; generated: the target's "
+                   "own continuations of corpus prompts (generated once, cached in WORK_DIR, resumable). Measured "
+                   "on DFlash, 300 steps each, HumanEval mean acceptance length: generated 1.54 vs corpus 1.45 at "
+                   "T=0, 1.52 vs 1.54 at T=1, and generating its data cost ~8 min more: corpus stays the default "
+                   "(BENCHMARKS.md, training data)")
     p.add_argument("--generated-sequences", type=int, default=2000, help="with --data generated: how many")
     p.add_argument("--max-steps", type=int, default=600)
     p.add_argument("--batch-size", type=int, default=4, help="windows per step")
