@@ -170,7 +170,9 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
     from specdecode.defaults import DEFAULT_MODEL_NAME, is_default_model, models_dir
 
     drafts = [m.config for m in cfg.methods if m.config and m.config["method"] == "draft_model"]
-    k = drafts[0].get("num_speculative_tokens", 4) if drafts else 4
+    lookups = [m.config for m in cfg.methods if m.config and m.config["method"] == "ngram"]
+    # k of the peers' drafts: the draft model's as benchmarked here, else prompt lookup's, else 4.
+    k = (drafts or lookups or [{}])[0].get("num_speculative_tokens", 4)
     draft_dir = Path(drafts[0]["model"]) if drafts and drafts[0].get("model") else (
         models_dir() / f"{DEFAULT_MODEL_NAME}-draft" if is_default_model(llm.config.model) else None)
     model_dir = Path(llm.config.model)

@@ -1,0 +1,61 @@
+"""The benchmark harness on a tiny model: records, tables, plots, peers, method specs."""
+
+import importlib.util
+import json
+
+import pytest
+
+from specdecode.bench.harness import BenchConfig, MethodSpec, parse_methods, run_bench
+from specdecode.errors import ConfigError
+
+
+@pytest.fixture()
+def prompt_file(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def fibonacci(n):", "class Stack:", "import os"]) + "\n")
+    return path
+
+
+def test_methods_parse_and_fail_early():
+    specs = parse_methods('none,ngram:k=4:prompt_lookup_max=3,{"method": "draft_model", "num_speculative_tokens": 2}')
+    assert [s.config for s in specs] == [None, {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
+                                         {"method": "draft_model", "num_speculative_tokens": 2}]
+    assert MethodSpec.parse("draft_model:k=4:verify_pruning=dcut").config["verify_pruning"] == "dcut"
+    with pytest.raises(ConfigError):
+        parse_methods("nonsense:k=2")
+    with pytest.raises(ConfigError, match="--peers vllm"):
+        BenchConfig(methods=specs, peers=["vllm"])
+
+
+def test_run_bench_records_everything(native_model, native_drafter, prompt_file, tmp_path):
+    out = tmp_path / "out"
+    methods = parse_methods(f"ngram:k=2,draft_model:k=2:model={native_drafter}")
+    result = run_bench(BenchConfig(methods=methods, model=str(native_model), prompts=str(prompt_file), num_prompts=3,
+                                   max_tokens=8, concurrency=[1, 2], temperatures=[0.0, 1.0], dtype="float32",
+                                   out_dir=out))
+    runs = result["runs"]
+    assert len(runs) == 2 * 2 * 3  # temperatures x concurrency x (baseline + 2 methods)
+    assert result["machine"]["dtype"] == "float32" and result["num_prompts"] == 3
+    for r in runs:
+        assert r["output_tokens"] == 3 * 8 and r["tokens_per_second"] > 0
+        if r["method"] == "none":
+            assert r["speedup"] == 1.0
+        else:
+            assert 0 <= r["acceptance_rate"] <= 1 and r["mean_acceptance_length"] >= 1
+            assert len(r["per_position_acceptance"]) <= 2 and r["num_draft_tokens"] >= r["num_accepted_tokens"]
+        if r["temperature"] == 0:
+            assert r["outputs_equal_to_plain"] == "3/3"  # float32: lossless means identical
+    assert json.loads((out / "results.json").read_text()) == result
+    table = (out / "results.md").read_text()
+    assert table.count("\n| ") == 2 + len(runs) and "ngram:k=2" in table  # header, rule, one row per run
+    if importlib.util.find_spec("matplotlib"):
+        assert (out / "speedup.png").is_file() and (out / "speedup_vs_concurrency.png").is_file()
+
+
+def test_transformers_peer_runs_on_the_same_prompts(hf_models, prompt_file, tmp_path):
+    result = run_bench(BenchConfig(methods=parse_methods("ngram:k=2"), model=str(hf_models["llama"]),
+                                   prompts=str(prompt_file), num_prompts=2, max_tokens=6, dtype="float32",
+                                   peers=["transformers"], out_dir=tmp_path))
+    peers = [r for r in result["runs"] if r.get("engine") == "transformers"]
+    assert [r["method"] for r in peers] == ["transformers", "transformers prompt-lookup k=2"]  # no draft model here
+    assert all(r["output_tokens"] == 12 and r["outputs_equal_to_plain"] == "2/2" for r in peers)
