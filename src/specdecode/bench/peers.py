@@ -60,7 +60,8 @@ def run_llama_cpp(model_dir: Path, draft_dir: Path | None, prompt_ids: list[list
                   threads: int) -> list[dict]:
     """Greedy, batch 1: plain, prompt lookup and (with `draft_dir`) the draft model, k drafts."""
     import numpy as np
-    from llama_cpp import Llama, LlamaDraftModel, LlamaPromptLookupDecoding
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
 
     n_ctx = max(len(p) for p in prompt_ids) + max_tokens + k + 8
     common = {"n_ctx": n_ctx, "n_threads": threads, "n_threads_batch": threads, "verbose": False, "seed": 0}
