@@ -7,7 +7,9 @@ plain, `assistant_model=` (the same draft model specdecode's `draft_model` metho
 llama.cpp through llama-cpp-python, batch 1, greedy: plain, its prompt-lookup drafter
 (`LlamaPromptLookupDecoding`, k tokens) and the same draft model (a `LlamaDraftModel` that
 drafts k greedy tokens with a second llama.cpp context; llama-cpp-python verifies the draft
-in one batched eval and keeps the matching prefix). Both models are converted to GGUF by
+in one batched eval and keeps the matching prefix). The speculative loop is
+llama-cpp-python's, in Python around llama.cpp's C++ forward; llama.cpp's own
+`llama-speculative` binary is not built by the Python package. Both models are converted to GGUF by
 `specdecode.models.gguf_export` (f16 weights, f32 norms) and fed the prompts' token ids, so
 tokenization cannot differ.
 """
@@ -117,8 +119,8 @@ def gguf_file(model_dir: Path) -> Path:
     """The GGUF conversion of `model_dir`, cached under $SPECDECODE_CACHE/gguf by content hash."""
     import hashlib
 
-    from specdecode.models.gguf_export import export_gguf
     from specdecode.defaults import cache_root
+    from specdecode.models.gguf_export import export_gguf
 
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):
