@@ -111,7 +111,11 @@ def main() -> None:
                            "corpus stays the default.")
     lines += bench_section("concurrency", "Speculation under load: fixed k, auto-k and D-Cut by concurrency",
                            commands.get("concurrency", ""),
-                           "Throughput speedup over plain decoding at each concurrency (requests decoded at once).")
+                           "Throughput speedup over plain decoding at each concurrency (requests decoded at once). "
+                           "Each cell is one run; at concurrency 16 and above a run lasts 5-6 s and repeated runs "
+                           "of the same configuration on this machine differ by several percent, so differences "
+                           "that small are not significant. `num_draft_tokens` in results.json shows how much "
+                           "auto-k and D-Cut still drafted.")
     lines += serve_section()
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines))
     print("wrote BENCHMARKS.md")
