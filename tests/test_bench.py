@@ -52,6 +52,15 @@ def test_run_bench_records_everything(native_model, native_drafter, prompt_file,
         assert (out / "speedup.png").is_file() and (out / "speedup_vs_concurrency.png").is_file()
 
 
+def test_repeats_take_the_median(native_model, prompt_file, tmp_path):
+    result = run_bench(BenchConfig(methods=parse_methods("ngram:k=2"), model=str(native_model), prompts=str(prompt_file),
+                                   num_prompts=2, max_tokens=4, dtype="float32", repeats=3, out_dir=tmp_path))
+    for r in result["runs"]:
+        assert len(r["wall_seconds_runs"]) == 3 and r["wall_seconds"] == sorted(r["wall_seconds_runs"])[1]
+    with pytest.raises(ConfigError, match="--repeats 0"):
+        BenchConfig(methods=[], repeats=0)
+
+
 def test_transformers_peer_runs_on_the_same_prompts(hf_models, prompt_file, tmp_path):
     result = run_bench(BenchConfig(methods=parse_methods("ngram:k=2"), model=str(hf_models["llama"]),
                                    prompts=str(prompt_file), num_prompts=2, max_tokens=6, dtype="float32",

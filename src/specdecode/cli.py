@@ -183,6 +183,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--methods", default="none,ngram,draft_model",
                    help="comma-separated: none, a method name, name:k=4:prompt_lookup_max=3, or a JSON object")
     p.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a JSONL file with a 'prompt' field per line")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="measured runs per configuration, tokens/s from the median (short runs are noisy)")
     p.add_argument("--num-prompts", type=int, default=20, help="first N prompts of the set (0 = all)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored: equal work)")
     p.add_argument("--concurrency", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
@@ -203,7 +205,7 @@ def _run_bench(args) -> int:
                       num_prompts=args.num_prompts or None, max_tokens=args.max_tokens,
                       concurrency=[int(c) for c in args.concurrency.split(",")],
                       temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
-                      device=args.device, seed=args.seed, out_dir=Path(args.out),
+                      device=args.device, seed=args.seed, out_dir=Path(args.out), repeats=args.repeats,
                       peers=[p for p in args.peers.split(",") if p])
     print(markdown_table(run_bench(cfg)))
     return 0

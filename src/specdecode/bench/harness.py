@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import platform
+import statistics
 import time
 from pathlib import Path
 
@@ -73,8 +74,11 @@ class BenchConfig:
     seed: int = 0
     out_dir: Path = Path("bench_out")
     peers: list[str] = dataclasses.field(default_factory=list)  # PEERS
+    repeats: int = 1  # measured runs per configuration; tokens/s from the median
 
     def __post_init__(self) -> None:
+        if self.repeats < 1:
+            raise ConfigError(f"--repeats {self.repeats}: expected an integer >= 1")
         unknown = [p for p in self.peers if p not in PEERS]
         if unknown:
             raise ConfigError(f"--peers {','.join(unknown)}: accepted: {', '.join(PEERS)}")
@@ -91,12 +95,16 @@ def machine_info(llm: LLM) -> dict:
     }
 
 
-def run_one(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> tuple[float, list]:
+def run_one(llm: LLM, prompts: list[str], params: list[SamplingParams], repeats: int = 1) -> tuple[list[float], list]:
+    """Wall seconds of each of `repeats` measured runs, and the last run's outputs (its stats stay in llm.stats)."""
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (allocations, caches)
-    llm.stats = SpecStats()  # count only the measured requests
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return time.perf_counter() - start, outs
+    walls = []
+    for _ in range(repeats):
+        llm.stats = SpecStats()  # count only the measured requests
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        walls.append(time.perf_counter() - start)
+    return walls, outs
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -119,13 +127,16 @@ def run_bench(cfg: BenchConfig) -> dict:
                 llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
                           max_num_seqs=concurrency, seed=cfg.seed)
                 info = info or machine_info(llm)
-                wall, outs = run_one(llm, prompts, params)
+                walls, outs = run_one(llm, prompts, params, cfg.repeats)
+                wall = statistics.median(walls)  # short runs are noisy: the median of several
                 num_tokens = sum(len(o.token_ids) for o in outs)
                 record = {
                     "method": method.label, "config": method.config, "temperature": temperature,
                     "concurrency": concurrency, "num_prompts": len(prompts), "output_tokens": num_tokens,
                     "wall_seconds": round(wall, 4), "tokens_per_second": round(num_tokens / wall, 2),
                 }
+                if cfg.repeats > 1:
+                    record["wall_seconds_runs"] = [round(w, 4) for w in walls]
                 if method.config is None:
                     baseline = (record, outs)
                     record["speedup"] = 1.0
