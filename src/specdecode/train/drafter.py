@@ -571,7 +571,8 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     if recipe.finalize is not None:
         after.update(recipe.finalize(drafter, target, val_tokens, cfg, device))
     report = {
-        "method": cfg.method, "target": cfg.target.name, "command": invocation(), "data": cfg.data, "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
+        "method": cfg.method, "target": cfg.target.name, "command": invocation(), "data": cfg.data,
+        "steps": step, "tokens_seen": step * cfg.batch_size * cfg.context,
         "wall_seconds": ckpt.elapsed(), "parameters": sum(p.numel() for p in drafter.parameters()),
         "final_train_loss": float(np.mean(losses[-30:])) if losses else None,
         "before_training": before, **after,
