@@ -42,7 +42,7 @@ def test_auto_k_follows_cost_and_acceptance():
 
 
 def test_drafting_cost_scales_with_batch_and_is_learned():
-    cost = CostModel({1: {1: 0.010, 5: 0.0105}, 64: {1: 0.064, 5: 0.080}}, 128)
+    cost = CostModel({1: {1: 0.010, 5: 0.0105}, 64: {1: 0.064, 5: 0.200}}, 128)
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, draft_length_schedule="auto")
     depth = DepthController(config, lambda: cost, draft_cost_prior=0.5)
     assert depth.draft_step_time(1) == pytest.approx(0.005) and depth.draft_step_time(64) == pytest.approx(0.032)
@@ -53,6 +53,15 @@ def test_drafting_cost_scales_with_batch_and_is_learned():
     assert depth.draft_cost_ratio == pytest.approx(0.01, rel=0.05)
     assert depth.draft_step_time(64) == pytest.approx(0.01 * 0.064, rel=0.05)  # the ratio carries to batch 64
     assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 4
+
+
+def test_auto_k_explores_at_batch_1_before_any_measurement():
+    """A fresh controller must draft at batch 1 (where drafting usually pays) to learn acceptance at all."""
+    cost = CostModel({1: {1: 0.010, 5: 0.012}, 64: {1: 0.064, 5: 0.250}}, 128)  # batch 1 memory-bound, 64 compute-bound
+    depth = DepthController(SpeculativeConfig(method="draft_model", num_speculative_tokens=4, draft_length_schedule="auto"),
+                            lambda: cost, draft_cost_prior=0.5)
+    assert auto_k(cost, 1, 4, depth.estimator, depth.draft_step_time(1)) > 0
+    assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 0
 
 
 def test_estimator_learns_positions_and_calibrates_confidences():

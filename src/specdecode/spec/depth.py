@@ -29,7 +29,9 @@ class DepthController:
         self.n_min = config.draft_n_min
         self.pruning = config.verify_pruning
         self.confidence_threshold = config.confidence_threshold
-        self.estimator = AcceptanceEstimator(self.k)
+        # Optimistic until measured: with a pessimistic prior, auto-k at batch 1 would never draft,
+        # so it would never observe the acceptance that makes drafting pay (measured: 0 drafts).
+        self.estimator = AcceptanceEstimator(self.k, prior=0.8)
         # Seconds per drafting step (one token for every sequence), modelled as a fraction of the
         # target's one-token step at the same batch size: drafting, like the target, costs more
         # per step as the batch grows, and a ratio learned at one batch size carries to another.
