@@ -27,6 +27,7 @@ def collect(num_prompts: int, max_tokens: int, k: int, calibrated: bool) -> tupl
     if not calibrated:
         proposer.drafter.dspark.confidence_temperatures = []
     predicted, accepted = [], []
+    llm.speculator.depth.tracks_confidence = True  # hand the drafted confidences to depth.update
     update = llm.speculator.depth.update
 
     def record(seqs, num_draft, num_accepted, *args):

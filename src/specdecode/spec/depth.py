@@ -39,6 +39,9 @@ class DepthController:
         # make the first step at a large batch draft (and catch the drafter up) for nothing.
         self.draft_cost_ratio = draft_cost_prior  # EMA of measured draft step / T(B, B)
         self.step_overhead = 0.0  # EMA of seconds per step outside drafting and the target forward
+        # Only D-Cut recalibrates drafter confidences against acceptance; otherwise the speculator
+        # skips copying them to the host every step.
+        self.tracks_confidence = self.pruning == "dcut"
         self._cost_model_loader = cost_model_loader
         self._cost = None
 

@@ -91,7 +91,9 @@ class Speculator:
         t2 = time.perf_counter()
 
         self.proposer.on_commit(seqs, draft, verified, result)
-        confidence_host = draft.confidence.tolist() if draft.confidence is not None and max(num_draft) > 0 else None
+        confidence_host = None
+        if self.depth.tracks_confidence and draft.confidence is not None and max(num_draft) > 0:
+            confidence_host = draft.confidence.tolist()
         self.depth.update(seqs, num_draft, num_accepted, t1 - t0, num_draft_steps, confidence_host,
                           time.perf_counter() - t0)
         out = []
