@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from specdecode.bench.harness import BenchConfig, MethodSpec, parse_methods, run_bench
+from specdecode.bench.harness import BenchConfig, MethodSpec, measure_interleaved, parse_methods, run_bench
 from specdecode.errors import ConfigError
 
 
@@ -68,3 +68,22 @@ def test_transformers_peer_runs_on_the_same_prompts(hf_models, prompt_file, tmp_
     peers = [r for r in result["runs"] if r.get("engine") == "transformers"]
     assert [r["method"] for r in peers] == ["transformers", "transformers prompt-lookup k=2"]  # no draft model here
     assert all(r["output_tokens"] == 12 and r["outputs_equal_to_plain"] == "2/2" for r in peers)
+
+
+def test_repeats_are_interleaved_across_methods():
+    """Each round runs every method once, starting one later each round: a slow phase of the
+    machine never falls on one method's runs only."""
+    log = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name, self.stats = name, None
+
+        def generate(self, prompts, params):
+            log.append(self.name)
+            return [self.name]
+
+    engines = [Engine("a"), Engine("b"), Engine("c")]
+    measured = measure_interleaved(engines, ["p"], [None], repeats=3)
+    assert log[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # after one warm-up each
+    assert [len(walls) for walls, _ in measured] == [3, 3, 3] and [o for _, o in measured] == [["a"], ["b"], ["c"]]

@@ -5,7 +5,7 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import SamplingBatch, process_logits
-from specdecode.spec.cost_model import CostModel, load_or_profile
+from specdecode.spec.cost_model import CostModel, load_or_profile, monotone
 from specdecode.config import SpeculativeConfig
 from specdecode.spec.depth import AcceptanceEstimator, DepthController, auto_k, dcut_lengths, expected_committed
 from specdecode.spec.verify import verify
@@ -53,6 +53,39 @@ def test_drafting_cost_scales_with_batch_and_is_learned():
     assert depth.draft_cost_ratio == pytest.approx(0.01, rel=0.05)
     assert depth.draft_step_time(64) == pytest.approx(0.01 * 0.064, rel=0.05)  # the ratio carries to batch 64
     assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 4
+
+
+def test_profile_noise_is_removed_by_monotonicity():
+    # Batch 1 measured during a hiccup (slower than batch 2), and a width-3 outlier at batch 4.
+    noisy = {1: {1: 0.012, 3: 0.0125}, 2: {1: 0.007, 3: 0.008}, 4: {1: 0.008, 3: 0.030, 5: 0.010}}
+    clean = monotone(noisy)
+    assert clean[1] == {1: 0.007, 3: 0.008} and clean[4] == {1: 0.008, 3: 0.010, 5: 0.010}
+    assert clean[2] == noisy[2]  # consistent points are kept
+
+
+def test_drafter_catch_up_is_priced_and_amortised():
+    """A large batch whose drafter has not seen the prompts must not draft a step or two just to
+    pay a drafter prefill over every prompt; with many tokens left, the same catch-up pays off."""
+    cost = CostModel({64: {1: 0.010, 5: 0.020, 32: 0.120}}, 128)  # drafting pays a little at 64 once caught up
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, draft_length_schedule="auto")
+
+    class Seq:
+        def __init__(self, room, pending):
+            self.room, self.pending = room, pending
+
+    depth = DepthController(config, lambda: cost, draft_cost_prior=0.3, pending_tokens=lambda seq: seq.pending)
+    caught_up = [Seq(room=64, pending=2)] * 64
+    assert depth.catch_up_time(caught_up) == 0.0  # a step's worth is part of a draft step
+    assert min(depth.limits(caught_up)) > 0
+    behind = [Seq(room=64, pending=200)] * 64  # every prompt still to be fed to the drafter
+    assert depth.catch_up_time(behind) > 0
+    assert depth.limits(behind) == [0] * 64
+    long_run = [Seq(room=100_000, pending=200)] * 64  # the same catch-up, spread over many steps
+    assert min(depth.limits(long_run)) > 0
+    # That step's draft time includes the catch-up: it must not be learned as a draft step's cost.
+    ratio = depth.draft_cost_ratio
+    depth.update(long_run, [2] * 64, [2] * 64, draft_seconds=5.0, num_draft_steps=2)
+    assert depth.draft_cost_ratio == ratio
 
 
 def test_auto_k_explores_at_batch_1_before_any_measurement():

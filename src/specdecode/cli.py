@@ -184,7 +184,8 @@ def _add_bench(sub) -> None:
                    help="comma-separated: none, a method name, name:k=4:prompt_lookup_max=3, or a JSON object")
     p.add_argument("--prompts", default="humaneval", help="humaneval, mtbench, or a JSONL file with a 'prompt' field per line")
     p.add_argument("--repeats", type=int, default=1,
-                   help="measured runs per configuration, tokens/s from the median (short runs are noisy)")
+                   help="measured runs per configuration, tokens/s from the median (short runs are noisy); "
+                        "the runs of all methods are interleaved, so machine slowdowns hit every method alike")
     p.add_argument("--num-prompts", type=int, default=20, help="first N prompts of the set (0 = all)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored: equal work)")
     p.add_argument("--concurrency", default="1", help="comma-separated batch sizes, e.g. 1,4,16")

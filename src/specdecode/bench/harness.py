@@ -95,16 +95,24 @@ def machine_info(llm: LLM) -> dict:
     }
 
 
-def run_one(llm: LLM, prompts: list[str], params: list[SamplingParams], repeats: int = 1) -> tuple[list[float], list]:
-    """Wall seconds of each of `repeats` measured runs, and the last run's outputs (its stats stay in llm.stats)."""
-    llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (allocations, caches)
-    walls = []
-    for _ in range(repeats):
-        llm.stats = SpecStats()  # count only the measured requests
-        start = time.perf_counter()
-        outs = llm.generate(prompts, params)
-        walls.append(time.perf_counter() - start)
-    return walls, outs
+def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[SamplingParams], repeats: int,
+                        on_run=lambda: None) -> list[tuple[list[float], list]]:
+    """Per engine: wall seconds of each of `repeats` measured runs, and the last run's outputs
+    (its stats stay in llm.stats). Repeats are interleaved (engine A, B, C, A, B, C, ... with
+    the order rotated every round), so slow phases of a shared machine fall on every method
+    alike instead of on whichever ran during them."""
+    for llm in llms:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (allocations, caches)
+    walls: list[list[float]] = [[] for _ in llms]
+    outs: list[list] = [[] for _ in llms]
+    for r in range(repeats):
+        for i in [(r + j) % len(llms) for j in range(len(llms))]:
+            llms[i].stats = SpecStats()  # count only the measured requests
+            start = time.perf_counter()
+            outs[i] = llms[i].generate(prompts, params)
+            walls[i].append(time.perf_counter() - start)
+            on_run()
+    return list(zip(walls, outs))
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -112,7 +120,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.methods[0].config is not None:
         cfg.methods.insert(0, MethodSpec("none", None))  # the baseline always runs, first
     runs = []
-    total = len(cfg.temperatures) * len(cfg.concurrency) * len(cfg.methods)
+    total = len(cfg.temperatures) * len(cfg.concurrency) * len(cfg.methods) * cfg.repeats
     bar = tqdm(total=total, desc="bench", unit="run")
     info = None
     peer_errors: dict[str, str] = {}
@@ -121,13 +129,13 @@ def run_bench(cfg: BenchConfig) -> dict:
         params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, ignore_eos=True,
                                  seed=None if temperature == 0 else cfg.seed + i) for i in range(len(prompts))]
         for concurrency in cfg.concurrency:
+            bar.set_postfix(T=temperature, c=concurrency)
+            llms = [LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
+                        max_num_seqs=concurrency, seed=cfg.seed) for method in cfg.methods]
+            info = info or machine_info(llms[0])
+            measured = measure_interleaved(llms, prompts, params, cfg.repeats, on_run=lambda: bar.update(1))
             baseline = None
-            for method in cfg.methods:
-                bar.set_postfix(method=method.label, T=temperature, c=concurrency)
-                llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
-                          max_num_seqs=concurrency, seed=cfg.seed)
-                info = info or machine_info(llm)
-                walls, outs = run_one(llm, prompts, params, cfg.repeats)
+            for method, llm, (walls, outs) in zip(cfg.methods, llms, measured):
                 wall = statistics.median(walls)  # short runs are noisy: the median of several
                 num_tokens = sum(len(o.token_ids) for o in outs)
                 record = {
@@ -156,7 +164,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                     same = sum(o.token_ids == b.token_ids for o, b in zip(outs, baseline[1]))
                     record["outputs_equal_to_plain"] = f"{same}/{len(outs)}"
                 runs.append(record)
-                bar.update(1)
+            llm = llms[0]
+            del llms, measured  # free every engine's KV cache before the next concurrency level
             # Peers run at batch 1 (their speculative generation is batch-1 only), greedy.
             if cfg.peers and concurrency == 1 and temperature == 0 and baseline is not None:
                 runs += _peer_runs(cfg, llm, prompts, temperature, baseline, peer_errors)

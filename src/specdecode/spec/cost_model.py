@@ -5,7 +5,11 @@ T(B, n): seconds for one target forward of B sequences with n new tokens each, o
 T(B, N / B), interpolated linearly in n and in B between profiled points.
 
 A short profile runs at engine start-up (few points, few repeats); `specdecode profile`
-runs a thorough one. Results are cached per model (path + weights' mtime), dtype, device,
+runs a thorough one. Both include a prefill-sized width (`PREFILL_WIDTH` tokens per sequence),
+so that pricing a drafter's catch-up over many tokens interpolates instead of extrapolating
+a decode-sized slope. Each point is the fastest of its repeats (timing noise on a shared CPU
+only ever adds time), and the table is made monotone: a forward never costs less with more
+sequences or more tokens, so a noisy point is replaced by the cheaper larger one. Results are cached per model (path + weights' mtime), dtype, device,
 torch version and thread count, in $SPECDECODE_CACHE (default ~/.cache/specdecode).
 """
 
@@ -16,7 +20,6 @@ import dataclasses
 import hashlib
 import json
 import logging
-import statistics
 import time
 from pathlib import Path
 
@@ -26,6 +29,9 @@ from specdecode.defaults import cache_root
 from specdecode.engine.runner import ForwardEntry, Runner
 
 log = logging.getLogger(__name__)
+
+PREFILL_WIDTH = 32  # tokens per sequence of the profile's prefill-sized point
+PROFILE_VERSION = 2  # cached profiles of another version are re-measured
 
 
 @dataclasses.dataclass(slots=True)
@@ -62,7 +68,7 @@ class CostModel:
         return row[a] + (row[b] - row[a]) * (n - a) / (b - a)
 
     def to_json(self) -> dict:
-        return {"context": self.context, "table": {str(b): {str(n): t for n, t in row.items()} for b, row in self.table.items()}}
+        return {"version": PROFILE_VERSION, "context": self.context, "table": {str(b): {str(n): t for n, t in row.items()} for b, row in self.table.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
@@ -100,23 +106,37 @@ def profile(runner: Runner, batch_sizes: list[int], widths: list[int], context: 
                 if runner.device.type == "cuda":
                     torch.cuda.synchronize()
                 times.append(time.perf_counter() - t0)
-            table[B][n] = statistics.median(times)
-    return CostModel(table, context)
+            table[B][n] = min(times)
+    return CostModel(monotone(table), context)
+
+
+def monotone(table: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
+    """Each point becomes the cheapest of itself and every point with at least as many sequences
+    and tokens per sequence (noise on a busy machine only ever adds time)."""
+    out = {B: dict(row) for B, row in table.items()}
+    sizes = sorted(out, reverse=True)
+    for i, B in enumerate(sizes):
+        for n in sorted(out[B], reverse=True):
+            cheaper = [out[B][m] for m in out[B] if m > n] + [out[C][n] for C in sizes[:i] if n in out[C]]
+            out[B][n] = min([out[B][n], *cheaper])
+    return out
 
 
 def load_or_profile(runner: Runner, model_dir: Path, max_batch: int, max_width: int, thorough: bool = False) -> CostModel:
     path = cache_path(model_dir, runner.dtype, runner.device)
     if path.is_file() and not thorough:
         try:
-            model = CostModel.from_json(json.loads(path.read_text()))
-            if max(model.table) >= min(max_batch, runner.kv_cache.num_slots) and max(max(r) for r in model.table.values()) >= max_width:
+            data = json.loads(path.read_text())
+            model = CostModel.from_json(data)
+            if data.get("version") == PROFILE_VERSION and max(model.table) >= min(max_batch, runner.kv_cache.num_slots) and max(max(r) for r in model.table.values()) >= max_width:
                 return model
         except (json.JSONDecodeError, KeyError, ValueError):
             pass  # a stale or broken cache file is simply re-measured
     sizes = sorted({1, *[2 ** i for i in range(1, 8) if 2 ** i < max_batch], max_batch})
     widths = list(range(1, max_width + 1)) if thorough else sorted({1, 2, 3, max(1, max_width // 2), max_width})
+    widths = sorted({*widths, max(PREFILL_WIDTH, max_width + 1)})
     start = time.perf_counter()
-    model = profile(runner, sizes, widths, repeats=7 if thorough else 2)
+    model = profile(runner, sizes, widths, repeats=7 if thorough else 3)
     log.info("profiled the target's step time (%d points) in %.1fs", len(sizes) * len(widths), time.perf_counter() - start)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(model.to_json(), indent=2))

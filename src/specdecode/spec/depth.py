@@ -23,7 +23,8 @@ class DepthController:
     """Decides each step how far every sequence drafts (before proposing) and how much of
     each draft is verified (after proposing), and learns from verification results."""
 
-    def __init__(self, config: SpeculativeConfig, cost_model_loader=None, draft_cost_prior: float = 0.5):
+    def __init__(self, config: SpeculativeConfig, cost_model_loader=None, draft_cost_prior: float = 0.5,
+                 pending_tokens=lambda seq: 0):
         self.k = config.num_speculative_tokens
         self.schedule = config.draft_length_schedule
         self.n_min = config.draft_n_min
@@ -44,6 +45,8 @@ class DepthController:
         self.tracks_confidence = self.pruning == "dcut"
         self._cost_model_loader = cost_model_loader
         self._cost = None
+        self.pending_tokens = pending_tokens  # seq -> tokens the drafter must catch up on first
+        self._catching_up = False  # this step's draft time includes a catch-up: not a draft step's cost
 
     @property
     def cost(self):
@@ -59,7 +62,11 @@ class DepthController:
         """Per sequence: the most draft tokens it may use (also bounded by its remaining room:
         a step commits accepted + 1 tokens, so at most room - 1 drafts are useful)."""
         if self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
-            k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time(len(seqs)), self.step_overhead)
+            remaining = sum(seq.room for seq in seqs) / len(seqs)
+            catch_up = self.catch_up_time(seqs)
+            k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time(len(seqs)), self.step_overhead,
+                       catch_up, remaining)
+            self._catching_up = k > 0 and catch_up > 0
             per_seq = [k] * len(seqs)
         elif self.schedule == "heuristic":
             per_seq = [seq.drafter_state.get("schedule_k", self.k) for seq in seqs]
@@ -86,6 +93,17 @@ class DepthController:
             lengths = dcut_lengths(conf, lengths, self.cost, self.draft_step_time(len(lengths)) * max(num_tokens))
         return lengths
 
+    def catch_up_time(self, seqs: list[Sequence]) -> float:
+        """Expected seconds the drafter spends, before its first draft, on committed tokens it
+        has not seen beyond a step's worth (the prompt the first time, or every token decoded
+        while drafting was off). A step's worth (<= k + 1 per sequence) is part of the measured
+        draft step already."""
+        extra = sum(max(0, self.pending_tokens(seq) - (self.k + 1)) for seq in seqs)
+        if extra == 0:
+            return 0.0
+        B = len(seqs)
+        return self.draft_cost_ratio * max(0.0, self.cost.step_time(B, B + extra) - self.cost.step_time(B, B))
+
     def draft_step_time(self, batch_size: int) -> float:
         """Expected seconds of one drafting step for `batch_size` sequences."""
         return self.draft_cost_ratio * self.cost.step_time(batch_size, batch_size)
@@ -93,7 +111,7 @@ class DepthController:
     def update(self, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int], draft_seconds: float,
                num_draft_steps: int, confidence: list[list[float]] | None = None, step_seconds: float | None = None) -> None:
         self.estimator.update(num_draft, num_accepted, confidence)
-        if num_draft_steps and self._cost is not None:
+        if num_draft_steps and self._cost is not None and not self._catching_up:
             ratio = draft_seconds / num_draft_steps / self._cost.step_time(len(seqs), len(seqs))
             self.draft_cost_ratio = 0.9 * self.draft_cost_ratio + 0.1 * ratio
         if step_seconds is not None and self._cost is not None:
@@ -172,14 +190,19 @@ def expected_committed(alpha: float, k: int) -> float:
 
 
 def auto_k(cost, batch_size: int, k_max: int, estimator: "AcceptanceEstimator", draft_step_time: float,
-           step_overhead: float = 0.0) -> int:
+           step_overhead: float = 0.0, catch_up_seconds: float = 0.0, remaining_tokens: float = float("inf")) -> int:
     """The draft length that maximises expected committed tokens per second for this batch
     (0 = plain decoding is faster). Baseline policy: one k for the whole batch.
-    `step_overhead`: measured seconds per step outside drafting and the target forward."""
+    `step_overhead`: measured seconds per step outside drafting and the target forward.
+    `catch_up_seconds`: a one-time drafter cost paid before drafting can start, amortised
+    over the steps left to the batch (`remaining_tokens` per sequence / tokens per step): a
+    large batch must not pay a drafter prefill over every prompt to draft a step or two."""
     best_k, best_rate = 0, batch_size / (cost.step_time(batch_size, batch_size) + step_overhead)
     for k in range(1, k_max + 1):
-        seconds = k * draft_step_time + cost.step_time(batch_size, batch_size * (k + 1)) + step_overhead
-        rate = batch_size * estimator.expected_committed(k) / seconds
+        tau = estimator.expected_committed(k)
+        amortised = catch_up_seconds / max(1.0, remaining_tokens / tau)
+        seconds = k * draft_step_time + cost.step_time(batch_size, batch_size * (k + 1)) + step_overhead + amortised
+        rate = batch_size * tau / seconds
         if rate > best_rate:
             best_k, best_rate = k, rate
     return best_k

@@ -96,6 +96,9 @@ class Proposer(Protocol):
     def on_commit(self, seqs: list["Sequence"], draft: Draft, verified: "Verified", result: "ForwardResult") -> None:
         """Sync drafter state with what was committed (before tokens are appended)."""
 
+    def pending_tokens(self, seq: "Sequence") -> int:
+        """Committed tokens the drafter must catch up on before its next draft (prices drafting)."""
+
     def release(self, seq: "Sequence") -> None:
         """The sequence finished or was aborted: drop per-request state."""
 
@@ -120,6 +123,11 @@ class ProposerBase:
     # Prior cost of one drafting step as a fraction of the target's one-token step at the same
     # batch size (auto-k and D-Cut use it until drafting has been measured): a small model's share.
     draft_cost_prior: float = 0.5
+
+    def pending_tokens(self, seq) -> int:
+        """Committed tokens the drafter has not consumed yet: its next proposal feeds them all
+        first (the whole prompt, the first time). Stateless drafters have none."""
+        return 0
 
     def on_prefill(self, seqs, result) -> None:
         pass

@@ -47,7 +47,7 @@ class Speculator:
                               f"{config.method!r}; methods with trees: {', '.join(tree_methods)}")
         self.depth = DepthController(config, cost_model_loader=lambda: load_or_profile(
             llm.runner, llm.config.model, max_batch=llm.config.max_num_seqs, max_width=config.num_speculative_tokens + 1),
-            draft_cost_prior=self.proposer.draft_cost_prior)
+            draft_cost_prior=self.proposer.draft_cost_prior, pending_tokens=self.proposer.pending_tokens)
         if self.depth.needs_cost_model:
             self.depth.cost  # profile now, before any request owns a KV slot
         self.k = config.num_speculative_tokens

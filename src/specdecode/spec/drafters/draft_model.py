@@ -61,6 +61,9 @@ class DraftModelProposer(ProposerBase):
             active = still
         return chain.result()
 
+    def pending_tokens(self, seq) -> int:
+        return seq.num_tokens - seq.drafter_state.get("draft_cached", 0)
+
     def on_commit(self, seqs, draft, verified, result) -> None:
         accepted = verified.num_accepted.tolist()
         for seq, a in zip(seqs, accepted):

@@ -3,7 +3,9 @@
 Drafters that read the target's hidden states (EAGLE family, DFlash) get them from the
 target forwards the engine runs anyway: the prefill (every prompt position) and each verify
 (the last committed token and the accepted drafts, or the accepted tree path). The features
-wait in `seq.drafter_state["features"]` until the next proposal consumes them.
+wait in `seq.drafter_state["features"]` (a list of [T_i, *] chunks, concatenated once when the
+next proposal consumes them: a step that does not draft pays one slice per sequence, not a copy
+of everything pending).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ class TargetFeatureBuffer(ProposerBase):
     def on_prefill(self, seqs, result) -> None:
         raw = self.target_features(result)
         for b, seq in enumerate(seqs):
-            seq.drafter_state["features"] = raw[b, : len(seq.prompt_token_ids)]
+            seq.drafter_state["features"] = [raw[b, : len(seq.prompt_token_ids)]]
             seq.drafter_state["draft_cached"] = 0
 
     def on_commit(self, seqs, draft, verified, result) -> None:
@@ -30,17 +32,21 @@ class TargetFeatureBuffer(ProposerBase):
         path = verified.path.tolist() if verified.path is not None else None
         for b, seq in enumerate(seqs):
             # The last committed token and the accepted drafts (tree: the nodes along the path).
-            rows = [0] + ([1 + i for i in path[b][: accepted[b]]] if path is not None else list(range(1, 1 + accepted[b])))
-            pending = seq.drafter_state.get("features")
-            new = raw[b, rows]
-            seq.drafter_state["features"] = new if pending is None else torch.cat([pending, new])
+            if path is None:
+                new = raw[b, : 1 + accepted[b]]  # a view: chains accept a prefix
+            else:
+                new = raw[b, [0] + [1 + i for i in path[b][: accepted[b]]]]
+            seq.drafter_state.setdefault("features", []).append(new)
+
+    def pending_tokens(self, seq) -> int:
+        return seq.num_tokens - 1 - seq.drafter_state.get("draft_cached", 0)
 
     def take_pending(self, seq) -> tuple[int, torch.Tensor]:
         """(first position not consumed, its features .. position N-2); marks them consumed."""
         cached = seq.drafter_state["draft_cached"]
-        features = seq.drafter_state.pop("features")
+        chunks = seq.drafter_state.pop("features")
         seq.drafter_state["draft_cached"] = seq.num_tokens - 1
-        return cached, features
+        return cached, chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
     def release(self, seq) -> None:
         seq.drafter_state.pop("features", None)
