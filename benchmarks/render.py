@@ -112,10 +112,11 @@ def main() -> None:
     lines += bench_section("concurrency", "Speculation under load: fixed k, auto-k and D-Cut by concurrency",
                            commands.get("concurrency", ""),
                            "Throughput speedup over plain decoding at each concurrency (requests decoded at once). "
-                           "Each cell is one run; at concurrency 16 and above a run lasts 5-6 s and repeated runs "
-                           "of the same configuration on this machine differ by several percent, so differences "
-                           "that small are not significant. `num_draft_tokens` in results.json shows how much "
-                           "auto-k and D-Cut still drafted.")
+                           "Each cell is the median of 3 runs, interleaved with the other methods' runs (A, B, C, "
+                           "B, C, A, ...) so that slow phases of this shared machine fall on every method alike; "
+                           "`wall_seconds_runs` in results.json shows the spread, and differences within it are "
+                           "not significant. `num_draft_tokens` there shows how much auto-k and D-Cut still "
+                           "drafted.")
     lines += serve_section()
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines))
     print("wrote BENCHMARKS.md")

@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from specdecode.bench.harness import BenchConfig, MethodSpec, measure_interleaved, parse_methods, run_bench
+from specdecode.bench.harness import (BenchConfig, MethodSpec, measure_interleaved, parse_methods, rounds_of, run_bench,
+                                      speedup_interval)
 from specdecode.errors import ConfigError
 
 
@@ -52,22 +53,24 @@ def test_run_bench_records_everything(native_model, native_drafter, prompt_file,
         assert (out / "speedup.png").is_file() and (out / "speedup_vs_concurrency.png").is_file()
 
 
-def test_repeats_take_the_median(native_model, prompt_file, tmp_path):
+def test_repeats_and_rounds_are_timed_and_paired(native_model, prompt_file, tmp_path):
     result = run_bench(BenchConfig(methods=parse_methods("ngram:k=2"), model=str(native_model), prompts=str(prompt_file),
                                    num_prompts=2, max_tokens=4, dtype="float32", repeats=3, out_dir=tmp_path))
+    plain, ngram = result["runs"]
     for r in result["runs"]:
-        assert len(r["wall_seconds_runs"]) == 3 and r["wall_seconds"] == sorted(r["wall_seconds_runs"])[1]
+        assert len(r["round_seconds"]) == 3 and r["wall_seconds"] == pytest.approx(sum(r["round_seconds"]) / 3, abs=1e-3)
+    lo, hi = ngram["speedup_interval"]
+    assert lo <= sum(plain["round_seconds"]) / sum(ngram["round_seconds"]) <= hi
     with pytest.raises(ConfigError, match="--repeats 0"):
         BenchConfig(methods=[], repeats=0)
 
 
-def test_transformers_peer_runs_on_the_same_prompts(hf_models, prompt_file, tmp_path):
-    result = run_bench(BenchConfig(methods=parse_methods("ngram:k=2"), model=str(hf_models["llama"]),
-                                   prompts=str(prompt_file), num_prompts=2, max_tokens=6, dtype="float32",
-                                   peers=["transformers"], out_dir=tmp_path))
-    peers = [r for r in result["runs"] if r.get("engine") == "transformers"]
-    assert [r["method"] for r in peers] == ["transformers", "transformers prompt-lookup k=2"]  # no draft model here
-    assert all(r["output_tokens"] == 12 and r["outputs_equal_to_plain"] == "2/2" for r in peers)
+def test_rounds_are_whole_batches():
+    assert [len(r) for r in rounds_of(64, 1)] == [8] * 8
+    assert [len(r) for r in rounds_of(64, 16)] == [16] * 4
+    assert [len(r) for r in rounds_of(20, 64)] == [20]
+    assert [len(r) for r in rounds_of(20, 3)] == [9, 9, 2]
+    assert speedup_interval([2.0, 2.0, 2.0], [1.0, 1.0, 1.0]) == (2.0, 2.0)
 
 
 def test_repeats_are_interleaved_across_methods():
@@ -86,4 +89,4 @@ def test_repeats_are_interleaved_across_methods():
     engines = [Engine("a"), Engine("b"), Engine("c")]
     measured = measure_interleaved(engines, ["p"], [None], repeats=3)
     assert log[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # after one warm-up each
-    assert [len(walls) for walls, _ in measured] == [3, 3, 3] and [o for _, o in measured] == [["a"], ["b"], ["c"]]
+    assert [len(m.round_seconds) for m in measured] == [3, 3, 3] and [m.outputs for m in measured] == [["a"], ["b"], ["c"]]

@@ -110,3 +110,28 @@ def test_unsupported_architecture_and_tokenizer_mismatch(native_model, tmp_path)
     make_tokenizer(small, 320)
     with pytest.raises(TokenizerMismatchError, match="vocab_size is 300"):
         LLM(small)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])  # plain, q/k/v biases, q/k norms
+def test_fused_projections_change_nothing_but_the_call_count(hf_models, family, tmp_path):
+    """load_model fuses q/k/v and gate/up into one matmul each: same logits as the separate
+    layers, same state_dict names and shapes, and the weights still save as separate tensors."""
+    from specdecode.models.llama import fuse_projections
+    from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
+
+    fused = load_model(hf_models[family], torch.float32)
+    assert all(layer.self_attn.qkv is not None and layer.mlp.gate_up is not None for layer in fused.model.layers)
+    separate = load_model(hf_models[family], torch.float32)
+    for layer in separate.model.layers:
+        layer.self_attn.qkv = layer.mlp.gate_up = None
+    ids = torch.randint(3, 320, (2, 12), generator=torch.Generator().manual_seed(2))
+    positions = torch.arange(12).expand(2, 12)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, positions).hidden, separate(ids, positions).hidden, atol=1e-5, rtol=1e-5)
+    state = fused.state_dict()
+    assert {k: v.shape for k, v in state.items()} == {k: v.shape for k, v in separate.state_dict().items()}
+    assert fuse_projections(fused) is fused  # idempotent
+    save_checkpoint(state, {}, tmp_path / "ck", hf_models[family])  # views of one tensor must still save
+    _, saved = read_checkpoint(tmp_path / "ck", "test")
+    q = "model.layers.0.self_attn.q_proj.weight"
+    torch.testing.assert_close(saved[q].float(), state[q].to(torch.bfloat16).float())

@@ -1,9 +1,14 @@
 """`specdecode bench`: every method side by side on the same model and prompts, in one run.
 
-For each temperature and concurrency, plain decoding (`none`) runs first and is the
-baseline; every method then runs the same prompts with the same sampling parameters.
-Speedup = method tokens/s / baseline tokens/s measured in this run. At temperature 0 each
-output is also compared with the baseline's, token for token.
+For each temperature and concurrency, plain decoding (`none`) is the baseline and every
+method runs the same prompts with the same sampling parameters. Timing is paired and
+interleaved: the prompts are cut into rounds (a multiple of the concurrency, at least
+`ROUND_PROMPTS` prompts), and each round runs every method back to back, in an order that
+rotates from round to round. A slow phase of a shared machine (measured here: the same work
+varies by 10-25% over tens of seconds) then lands on every method alike. Speedup = total
+baseline wall time / total method wall time over all rounds (the same work), with a 90%
+bootstrap interval over rounds. At temperature 0 each output is also compared with the
+baseline's, token for token.
 """
 
 from __future__ import annotations
@@ -12,7 +17,6 @@ import dataclasses
 import json
 import logging
 import platform
-import statistics
 import time
 from pathlib import Path
 
@@ -26,6 +30,8 @@ from specdecode.errors import ConfigError
 from specdecode.spec.metrics import SpecStats
 
 log = logging.getLogger(__name__)
+
+ROUND_PROMPTS = 8  # prompts per timing round at low concurrency (a round at concurrency 1 lasts a few seconds)
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,7 +80,7 @@ class BenchConfig:
     seed: int = 0
     out_dir: Path = Path("bench_out")
     peers: list[str] = dataclasses.field(default_factory=list)  # PEERS
-    repeats: int = 1  # measured runs per configuration; tokens/s from the median
+    repeats: int = 1  # measured passes over the prompts per configuration (interleaved with the other methods)
 
     def __post_init__(self) -> None:
         if self.repeats < 1:
@@ -95,24 +101,53 @@ def machine_info(llm: LLM) -> dict:
     }
 
 
+@dataclasses.dataclass(slots=True)
+class Measured:
+    round_seconds: list[float]  # wall seconds of every timed round, repeats x rounds, in order
+    outputs: list  # the last pass's outputs, in prompt order (its stats stay in llm.stats)
+
+
+def rounds_of(num_prompts: int, concurrency: int) -> list[range]:
+    """Prompt ranges of the timing rounds: whole batches of `concurrency`, >= ROUND_PROMPTS prompts."""
+    size = concurrency * max(1, -(-ROUND_PROMPTS // concurrency))
+    return [range(i, min(i + size, num_prompts)) for i in range(0, num_prompts, size)]
+
+
 def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[SamplingParams], repeats: int,
-                        on_run=lambda: None) -> list[tuple[list[float], list]]:
-    """Per engine: wall seconds of each of `repeats` measured runs, and the last run's outputs
-    (its stats stay in llm.stats). Repeats are interleaved (engine A, B, C, A, B, C, ... with
-    the order rotated every round), so slow phases of a shared machine fall on every method
-    alike instead of on whichever ran during them."""
+                        concurrency: int = 1, on_run=lambda: None) -> list[Measured]:
+    """Time every engine on the same rounds of prompts, round by round: engines A, B, C on
+    round 1, then B, C, A on round 2, ... (`repeats` passes over all rounds)."""
     for llm in llms:
         llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (allocations, caches)
-    walls: list[list[float]] = [[] for _ in llms]
-    outs: list[list] = [[] for _ in llms]
-    for r in range(repeats):
-        for i in [(r + j) % len(llms) for j in range(len(llms))]:
-            llms[i].stats = SpecStats()  # count only the measured requests
-            start = time.perf_counter()
-            outs[i] = llms[i].generate(prompts, params)
-            walls[i].append(time.perf_counter() - start)
-            on_run()
-    return list(zip(walls, outs))
+    rounds = rounds_of(len(prompts), concurrency)
+    measured = [Measured([], []) for _ in llms]
+    turn = 0
+    for _ in range(repeats):
+        for llm, m in zip(llms, measured):
+            llm.stats, m.outputs = SpecStats(), []  # stats and outputs of the last pass only
+        for idx in rounds:
+            for i in [(turn + j) % len(llms) for j in range(len(llms))]:
+                start = time.perf_counter()
+                outs = llms[i].generate([prompts[j] for j in idx], [params[j] for j in idx])
+                measured[i].round_seconds.append(time.perf_counter() - start)
+                measured[i].outputs += outs
+                on_run()
+            turn += 1
+    return measured
+
+
+def speedup_interval(baseline: list[float], method: list[float], samples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """90% bootstrap interval of sum(baseline) / sum(method) over paired rounds."""
+    import random
+
+    rng = random.Random(seed)
+    n = len(baseline)
+    ratios = []
+    for _ in range(samples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(baseline[i] for i in pick) / sum(method[i] for i in pick))
+    ratios.sort()
+    return ratios[int(0.05 * samples)], ratios[int(0.95 * samples) - 1]
 
 
 def run_bench(cfg: BenchConfig) -> dict:
@@ -120,7 +155,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     if cfg.methods[0].config is not None:
         cfg.methods.insert(0, MethodSpec("none", None))  # the baseline always runs, first
     runs = []
-    total = len(cfg.temperatures) * len(cfg.concurrency) * len(cfg.methods) * cfg.repeats
+    total = len(cfg.temperatures) * len(cfg.methods) * cfg.repeats * sum(
+        len(rounds_of(len(prompts), c)) for c in cfg.concurrency)
     bar = tqdm(total=total, desc="bench", unit="run")
     info = None
     peer_errors: dict[str, str] = {}
@@ -133,25 +169,26 @@ def run_bench(cfg: BenchConfig) -> dict:
             llms = [LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
                         max_num_seqs=concurrency, seed=cfg.seed) for method in cfg.methods]
             info = info or machine_info(llms[0])
-            measured = measure_interleaved(llms, prompts, params, cfg.repeats, on_run=lambda: bar.update(1))
+            measured = measure_interleaved(llms, prompts, params, cfg.repeats, concurrency, on_run=lambda: bar.update(1))
             baseline = None
-            for method, llm, (walls, outs) in zip(cfg.methods, llms, measured):
-                wall = statistics.median(walls)  # short runs are noisy: the median of several
-                num_tokens = sum(len(o.token_ids) for o in outs)
+            for method, llm, m in zip(cfg.methods, llms, measured):
+                num_tokens = sum(len(o.token_ids) for o in m.outputs)  # one pass
+                wall = sum(m.round_seconds) / cfg.repeats  # mean seconds per pass
                 record = {
                     "method": method.label, "config": method.config, "temperature": temperature,
                     "concurrency": concurrency, "num_prompts": len(prompts), "output_tokens": num_tokens,
                     "wall_seconds": round(wall, 4), "tokens_per_second": round(num_tokens / wall, 2),
+                    "round_seconds": [round(w, 4) for w in m.round_seconds],
                 }
-                if cfg.repeats > 1:
-                    record["wall_seconds_runs"] = [round(w, 4) for w in walls]
                 if method.config is None:
-                    baseline = (record, outs)
+                    baseline = (record, m.outputs, m.round_seconds)
                     record["speedup"] = 1.0
                 else:
-                    agg = llm.stats  # merged over this run's finished requests
+                    agg = llm.stats  # merged over the last pass's finished requests
+                    lo, hi = speedup_interval(baseline[2], m.round_seconds)
                     record.update({
                         "speedup": round(record["tokens_per_second"] / baseline[0]["tokens_per_second"], 3),
+                        "speedup_interval": [round(lo, 3), round(hi, 3)],
                         "acceptance_rate": round(agg.acceptance_rate, 4),
                         "mean_acceptance_length": round(agg.mean_acceptance_length, 3),
                         "per_position_acceptance": [round(x, 3) for x in agg.per_position_acceptance],
@@ -161,8 +198,8 @@ def run_bench(cfg: BenchConfig) -> dict:
                         "verify_time_fraction": round(agg.verify_time / wall, 3) if concurrency == 1 else None,
                     })
                 if temperature == 0 and baseline is not None:
-                    same = sum(o.token_ids == b.token_ids for o, b in zip(outs, baseline[1]))
-                    record["outputs_equal_to_plain"] = f"{same}/{len(outs)}"
+                    same = sum(o.token_ids == b.token_ids for o, b in zip(m.outputs, baseline[1]))
+                    record["outputs_equal_to_plain"] = f"{same}/{len(m.outputs)}"
                 runs.append(record)
             llm = llms[0]
             del llms, measured  # free every engine's KV cache before the next concurrency level
@@ -228,9 +265,11 @@ def markdown_table(result: dict) -> str:
         f"Model `{result['model']}`, {result['num_prompts']} `{result['prompts']}` prompts, "
         f"{result['max_tokens']} new tokens each; {m['device']} {m['dtype']}, torch {m['torch']}, "
         f"{m['cpu_count']} threads, {m['processor']}.", "",
-        "Speedup is against specdecode's plain decoding in the same run, for every row (peers included).", "",
-        "| method | T | concurrency | tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | draft / verify time | = plain |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "Speedup is against specdecode's plain decoding in the same run, for every row (peers included); "
+        "in brackets its 90% bootstrap interval over the interleaved timing rounds. Drafted: draft tokens "
+        "sent to verification in one pass over the prompts.", "",
+        "| method | T | concurrency | tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | drafted | draft / verify time | = plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["runs"]:
         per_pos = ", ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", []))
@@ -238,9 +277,13 @@ def markdown_table(result: dict) -> str:
                  if r.get("draft_time_fraction") is not None else "")
         acceptance = f"{r['acceptance_rate']:.1%}" if "acceptance_rate" in r else ""
         length = f"{r['mean_acceptance_length']:.2f}" if "mean_acceptance_length" in r else ""
+        speedup = f"{r['speedup']:.2f}x"
+        if "speedup_interval" in r:
+            speedup += " ({:.2f}-{:.2f})".format(*r["speedup_interval"])
         lines.append(
             f"| {r['method']} | {r['temperature']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | "
-            f"{r['speedup']:.2f}x | {acceptance} | {length} | {per_pos} | {split} | {r.get('outputs_equal_to_plain', '')} |")
+            f"{speedup} | {acceptance} | {length} | {per_pos} | {r.get('num_draft_tokens', '')} | {split} | "
+            f"{r.get('outputs_equal_to_plain', '')} |")
     for engine, reason in result.get("peer_errors", {}).items():
         lines += ["", f"Peer {engine} did not run: {reason}"]
     return "\n".join(lines) + "\n"

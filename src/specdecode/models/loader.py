@@ -14,7 +14,7 @@ import torch
 
 from specdecode.errors import ModelLoadError
 from specdecode.models.config import ModelConfig
-from specdecode.models.llama import LlamaForCausalLM
+from specdecode.models.llama import LlamaForCausalLM, fuse_projections
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -71,4 +71,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE frequencies) are still on meta: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
-    return model.eval().requires_grad_(False)
+    return fuse_projections(model.eval().requires_grad_(False))

@@ -16,7 +16,9 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out: Path, tar
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous() for k, v in state.items()}
+    # Copies: a loaded (fused) drafter's q/k/v weights are views of one tensor, which safetensors refuses.
+    tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype, copy=True).contiguous()
+               for k, v in state.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if report is not None and "method" in report:
         # Provenance: which method this drafter serves, for which target, made by which command.

@@ -28,7 +28,8 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.runner import ForwardEntry, build_attention
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
-from specdecode.models.llama import AttentionBatch, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, write_kv
+from specdecode.models.llama import (AttentionBatch, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, fuse_projections,
+                                     write_kv)
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
@@ -107,7 +108,7 @@ def load_block_drafter(path: Path, kind: str, build, dtype, device):
     except (KeyError, RuntimeError) as e:
         raise ModelLoadError(f"{path} is not a {kind} checkpoint: {e}") from None
     drafter.rotary = RotaryEmbedding(drafter.cfg.layers)
-    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return fuse_projections(drafter.to(device=device, dtype=dtype).eval().requires_grad_(False))
 
 
 def load_dflash(path: Path, dtype, device) -> DFlashDrafter:

@@ -34,7 +34,8 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.runner import ForwardEntry, build_attention
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
-from specdecode.models.llama import DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding, row_linear
+from specdecode.models.llama import (DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding, fuse_projections,
+                                     row_linear)
 from specdecode.sampling import SamplingBatch
 from specdecode.spec.drafters.chain import ChainDraft
 from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
@@ -211,7 +212,7 @@ def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
     if missing or unexpected:
         raise ModelLoadError(f"{path}: weights do not fit the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     drafter.rotary = RotaryEmbedding(cfg.layer)
-    return drafter.to(device=device).to(dtype).eval().requires_grad_(False)
+    return fuse_projections(drafter.to(device=device).to(dtype).eval().requires_grad_(False))
 
 
 class EagleProposer(TargetFeatureBuffer):
