@@ -184,3 +184,18 @@ def test_dcut_with_token_dependent_confidence_would_be_biased():
 
     tv1, tv2, _ = _run(chosen_token)
     assert max(tv1, tv2) > 0.015  # the correct rule stays below 0.005 here
+
+
+def test_measured_guard_stops_drafting_where_it_measures_slower():
+    from specdecode.spec.depth import MeasuredGuard
+
+    guard = MeasuredGuard(explore_every=4)
+    assert guard.choose(16, 0) == 0  # the model's "no" is never overridden
+    assert [guard.choose(16, 3) for _ in range(4)] == [3, 3, 3, 0]  # unmeasured: draft, sometimes measure plain
+    guard.observe(16, drafted=True, tokens=40, seconds=0.040)  # 1000 tok/s drafting
+    guard.observe(16, drafted=False, tokens=16, seconds=0.012)  # 1333 tok/s plain: drafting loses here
+    assert [guard.choose(16, 3) for _ in range(4)] == [0, 0, 0, 3]  # plain, re-measuring drafting now and then
+    assert guard.choose(1, 3) == 3  # another batch-size bucket has its own measurements
+    for _ in range(50):
+        guard.observe(16, drafted=True, tokens=60, seconds=0.040)  # drafting got better: 1500 tok/s
+    assert [guard.choose(16, 3) for _ in range(3)] == [3, 3, 3]

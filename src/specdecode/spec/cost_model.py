@@ -9,8 +9,9 @@ runs a thorough one. Both include a prefill-sized width (`PREFILL_WIDTH` tokens 
 so that pricing a drafter's catch-up over many tokens interpolates instead of extrapolating
 a decode-sized slope. Each point is the fastest of its repeats (timing noise on a shared CPU
 only ever adds time), and the table is made monotone: a forward never costs less with more
-sequences or more tokens, so a noisy point is replaced by the cheaper larger one. Results are cached per model (path + weights' mtime), dtype, device,
-torch version and thread count, in $SPECDECODE_CACHE (default ~/.cache/specdecode).
+sequences or more tokens, so a noisy point is replaced by the cheaper larger one. Results are
+cached per model (path + weights' mtime), dtype, device, torch version and thread count, in
+$SPECDECODE_CACHE (default ~/.cache/specdecode).
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ class CostModel:
         return row[a] + (row[b] - row[a]) * (n - a) / (b - a)
 
     def to_json(self) -> dict:
-        return {"version": PROFILE_VERSION, "context": self.context, "table": {str(b): {str(n): t for n, t in row.items()} for b, row in self.table.items()}}
+        table = {str(b): {str(n): t for n, t in row.items()} for b, row in self.table.items()}
+        return {"version": PROFILE_VERSION, "context": self.context, "table": table}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
@@ -128,7 +130,9 @@ def load_or_profile(runner: Runner, model_dir: Path, max_batch: int, max_width: 
         try:
             data = json.loads(path.read_text())
             model = CostModel.from_json(data)
-            if data.get("version") == PROFILE_VERSION and max(model.table) >= min(max_batch, runner.kv_cache.num_slots) and max(max(r) for r in model.table.values()) >= max_width:
+            covers = (max(model.table) >= min(max_batch, runner.kv_cache.num_slots)
+                      and max(max(r) for r in model.table.values()) >= max_width)
+            if data.get("version") == PROFILE_VERSION and covers:
                 return model
         except (json.JSONDecodeError, KeyError, ValueError):
             pass  # a stale or broken cache file is simply re-measured

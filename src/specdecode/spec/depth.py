@@ -5,7 +5,9 @@ Before drafting (`draft_length_schedule`):
 - heuristic: Hugging Face's `num_assistant_tokens_schedule="heuristic"`: +2 after a step
   whose drafts were all accepted, else -1, never below 1 (and never above k here);
 - auto: the k (0..k) that maximises expected committed tokens per second for the current
-  batch size, from the profiled cost model and the online acceptance rate.
+  batch size, from the profiled cost model and the online acceptance rate, checked against
+  measurement (`MeasuredGuard`: where steps that drafted have delivered fewer tokens per
+  second than steps that did not, at this batch size, drafting stops).
 After drafting:
 - draft_n_min (llama.cpp): a draft shorter than n_min is dropped and the step decodes normally;
 - verify_pruning "dcut": D-Cut's batch-global cut of low-survival positions (`dcut_lengths`).
@@ -46,6 +48,7 @@ class DepthController:
         self._cost_model_loader = cost_model_loader
         self._cost = None
         self.pending_tokens = pending_tokens  # seq -> tokens the drafter must catch up on first
+        self.guard = MeasuredGuard()
         self._catching_up = False  # this step's draft time includes a catch-up: not a draft step's cost
 
     @property
@@ -66,6 +69,7 @@ class DepthController:
             catch_up = self.catch_up_time(seqs)
             k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time(len(seqs)), self.step_overhead,
                        catch_up, remaining)
+            k = self.guard.choose(len(seqs), k)
             self._catching_up = k > 0 and catch_up > 0
             per_seq = [k] * len(seqs)
         elif self.schedule == "heuristic":
@@ -111,6 +115,8 @@ class DepthController:
     def update(self, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int], draft_seconds: float,
                num_draft_steps: int, confidence: list[list[float]] | None = None, step_seconds: float | None = None) -> None:
         self.estimator.update(num_draft, num_accepted, confidence)
+        if step_seconds:
+            self.guard.observe(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds)
         if num_draft_steps and self._cost is not None and not self._catching_up:
             ratio = draft_seconds / num_draft_steps / self._cost.step_time(len(seqs), len(seqs))
             self.draft_cost_ratio = 0.9 * self.draft_cost_ratio + 0.1 * ratio
@@ -126,6 +132,43 @@ class DepthController:
                 continue
             k = seq.drafter_state.get("schedule_k", self.k)
             seq.drafter_state["schedule_k"] = min(self.k, k + 2) if a == n else max(1, k - 1)
+
+
+class MeasuredGuard:
+    """The cost model's choice checked against what steps actually delivered.
+
+    The cost model is a start-up snapshot on a machine whose speed drifts (measured here:
+    +-25% over tens of seconds), and a marginal call between drafting and plain decoding
+    flips on errors that small. So, per batch-size bucket (powers of two), it keeps the
+    measured committed tokens per second of steps that drafted and of steps that did not
+    (EMA), and lets the policy draft only where drafting has not measured slower. Every
+    `explore_every`-th drafting decision in a bucket takes the other arm, so both measurements
+    stay current (the cost of being wrong is bounded by that fraction of steps). Timing is
+    of past steps only: lossless like every other depth decision.
+    """
+
+    def __init__(self, explore_every: int = 32, weight: float = 0.1):
+        self.explore_every = explore_every
+        self.weight = weight
+        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> EMA tokens per second
+        self.decisions: dict[int, int] = {}  # bucket -> drafting decisions seen
+
+    def choose(self, batch_size: int, k: int) -> int:
+        """The draft length to use when the policy chose k."""
+        if k == 0:
+            return 0  # the model says plain decoding: nothing to check
+        bucket = batch_size.bit_length()
+        n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
+        spec, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
+        drafting_loses = spec is not None and plain is not None and spec < plain
+        explore = n % self.explore_every == 0
+        return 0 if drafting_loses != explore else k
+
+    def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
+        key = (batch_size.bit_length(), drafted)
+        rate = tokens / seconds
+        prev = self.rate.get(key)
+        self.rate[key] = rate if prev is None else (1 - self.weight) * prev + self.weight * rate
 
 
 class AcceptanceEstimator:
