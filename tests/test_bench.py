@@ -65,6 +65,15 @@ def test_repeats_and_rounds_are_timed_and_paired(native_model, prompt_file, tmp_
         BenchConfig(methods=[], repeats=0)
 
 
+def test_a_second_none_is_a_control_engine(native_model, prompt_file, tmp_path):
+    result = run_bench(BenchConfig(methods=parse_methods("none,ngram:k=2,none"), model=str(native_model),
+                                   prompts=str(prompt_file), num_prompts=2, max_tokens=4, dtype="float32", out_dir=tmp_path))
+    labels = [r["method"] for r in result["runs"]]
+    assert labels == ["none", "ngram:k=2", "none (second engine)"]
+    control = result["runs"][2]
+    assert control["num_draft_tokens"] == 0 and control["outputs_equal_to_plain"] == "2/2" and "speedup_interval" in control
+
+
 def test_rounds_are_whole_batches():
     assert [len(r) for r in rounds_of(64, 1)] == [8] * 8
     assert [len(r) for r in rounds_of(64, 16)] == [16] * 4

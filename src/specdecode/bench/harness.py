@@ -154,6 +154,10 @@ def run_bench(cfg: BenchConfig) -> dict:
     prompts = load_prompts(cfg.prompts, cfg.num_prompts)
     if cfg.methods[0].config is not None:
         cfg.methods.insert(0, MethodSpec("none", None))  # the baseline always runs, first
+    # A later `none` is a control: a second plain engine timed like a method. Its speedup shows
+    # how far apart two identical engines measure on this machine (the noise floor).
+    cfg.methods = [cfg.methods[0]] + [MethodSpec("none (second engine)", None) if m.config is None else m
+                                      for m in cfg.methods[1:]]
     runs = []
     total = len(cfg.temperatures) * len(cfg.methods) * cfg.repeats * sum(
         len(rounds_of(len(prompts), c)) for c in cfg.concurrency)
@@ -180,7 +184,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                     "wall_seconds": round(wall, 4), "tokens_per_second": round(num_tokens / wall, 2),
                     "round_seconds": [round(w, 4) for w in m.round_seconds],
                 }
-                if method.config is None:
+                if baseline is None:
                     baseline = (record, m.outputs, m.round_seconds)
                     record["speedup"] = 1.0
                 else:

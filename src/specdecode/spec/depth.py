@@ -188,6 +188,8 @@ class AcceptanceEstimator:
         self.decay = decay
 
     def update(self, num_draft: list[int], num_accepted: list[int], confidence: list[list[float]] | None = None) -> None:
+        if max(num_draft, default=0) == 0:
+            return  # a plain step says nothing about acceptance
         for i in range(len(self.rate)):
             rows = [b for b, (n, a) in enumerate(zip(num_draft, num_accepted)) if n > i and a >= i]
             if not rows:

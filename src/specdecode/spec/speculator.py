@@ -24,7 +24,7 @@ from specdecode.spec.cost_model import load_or_profile
 from specdecode.spec.depth import DepthController
 from specdecode.spec.proposer import PROPOSERS, Draft, ProposerContext
 from specdecode.spec.tree import compact_accepted, node_depths, tree_attention_mask, verify_tree
-from specdecode.spec.verify import Verified, uniform_draws, verify
+from specdecode.spec.verify import Verified, verify
 
 if TYPE_CHECKING:
     from specdecode.engine.engine import LLM
@@ -110,13 +110,15 @@ class Speculator:
         entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
                                 num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
         result = self.llm.runner.forward(entries, hidden_taps=self.hidden_taps)
-        draft = _pad_draft(draft, self.k)  # fixed width k: per-request random draws never depend on the batch
         if max(num_draft) == 0:
             # Nothing to verify: sample as plain decoding does, without the verifier's [B, k+1, V] work.
             # The seeded rows still draw their k uniforms, so their random streams stay batch-independent.
-            uniform_draws(len(seqs), self.k, sampling.generators, self.llm.device)
+            for generator in sampling.generators:
+                if generator is not None:
+                    torch.rand(self.k, device=self.llm.device, generator=generator)
             final = sample(result.logits[:, 0], sampling)
             return result, Verified(final[:, None], torch.zeros_like(final))
+        draft = _pad_draft(draft, self.k)  # fixed width k: per-request random draws never depend on the batch
         logits = _pad_logits(result.logits, self.k + 1)
         return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling)
 
