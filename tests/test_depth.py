@@ -189,13 +189,20 @@ def test_dcut_with_token_dependent_confidence_would_be_biased():
 def test_measured_guard_stops_drafting_where_it_measures_slower():
     from specdecode.spec.depth import MeasuredGuard
 
-    guard = MeasuredGuard(explore_every=4)
-    assert guard.choose(16, 0) == 0  # the model's "no" is never overridden
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=100)
+    assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # unmeasured: the model's "no" stands
     assert [guard.choose(16, 3) for _ in range(4)] == [3, 3, 3, 0]  # unmeasured: draft, sometimes measure plain
     guard.observe(16, drafted=True, tokens=40, seconds=0.040)  # 1000 tok/s drafting
     guard.observe(16, drafted=False, tokens=16, seconds=0.012)  # 1333 tok/s plain: drafting loses here
     assert [guard.choose(16, 3) for _ in range(4)] == [0, 0, 0, 3]  # plain, re-measuring drafting now and then
+    assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # and no acceptance probes where it lost
     assert guard.choose(1, 3) == 3  # another batch-size bucket has its own measurements
     for _ in range(50):
         guard.observe(16, drafted=True, tokens=60, seconds=0.040)  # drafting got better: 1500 tok/s
     assert [guard.choose(16, 3) for _ in range(3)] == [3, 3, 3]
+    # Where drafting pays, a declined step drafts one token now and then (acceptance is only
+    # measured where drafts are verified), and drafting steps sometimes go one position deeper.
+    assert [guard.choose(16, 0) for _ in range(5)] == [1, 0, 0, 0, 1]  # decisions 20..24 of this bucket
+    probing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=4)
+    assert [probing.choose(1, 2) for _ in range(8)] == [2, 3, 2, 2, 2, 3, 2, 2]
+    assert [probing.choose(1, 4) for _ in range(4)] == [4, 4, 4, 4]  # never beyond the configured k

@@ -48,7 +48,7 @@ class DepthController:
         self._cost_model_loader = cost_model_loader
         self._cost = None
         self.pending_tokens = pending_tokens  # seq -> tokens the drafter must catch up on first
-        self.guard = MeasuredGuard()
+        self.guard = MeasuredGuard(self.k)
         self._catching_up = False  # this step's draft time includes a catch-up: not a draft step's cost
 
     @property
@@ -135,40 +135,61 @@ class DepthController:
 
 
 class MeasuredGuard:
-    """The cost model's choice checked against what steps actually delivered.
+    """The cost model's choice checked against what steps actually delivered, plus the
+    exploration that keeps the policy's inputs measured.
 
     The cost model is a start-up snapshot on a machine whose speed drifts (measured here:
     +-25% over tens of seconds), and a marginal call between drafting and plain decoding
     flips on errors that small. So, per batch-size bucket (powers of two), it keeps the
     measured committed tokens per second of steps that drafted and of steps that did not
     (EMA), and lets the policy draft only where drafting has not measured slower. Every
-    `explore_every`-th drafting decision in a bucket takes the other arm, so both measurements
-    stay current (the cost of being wrong is bounded by that fraction of steps). Timing is
-    of past steps only: lossless like every other depth decision.
+    `explore_every`-th decision in a bucket takes the other arm, so both figures stay current
+    (the cost of being wrong is bounded by that fraction of steps).
+
+    Acceptance is only measured where drafts are verified: a policy that stops drafting
+    position i (or drafting at all) after a few rejections would never see it recover. So,
+    where drafting has measured faster, a declined step drafts one token now and then, and
+    every `probe_every`-th drafting step drafts one position deeper than chosen.
+    Timing and counts are of past steps only: lossless like every other depth decision.
     """
 
-    def __init__(self, explore_every: int = 32, weight: float = 0.1):
+    def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 16, weight: float = 0.05,
+                 margin: float = 0.97):
+        self.k_max = k_max
         self.explore_every = explore_every
+        self.probe_every = probe_every
         self.weight = weight
-        self.rate: dict[tuple[int, bool], float] = {}  # (bucket, drafted) -> EMA tokens per second
-        self.decisions: dict[int, int] = {}  # bucket -> drafting decisions seen
+        self.margin = margin  # drafting must measure below margin x plain to be stopped (per-step rates are noisy)
+        self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, drafted) -> EMA [tokens, seconds]
+        self.decisions: dict[int, int] = {}  # bucket -> decisions seen
+
+    def rate(self, bucket: int, drafted: bool) -> float | None:
+        """Measured committed tokens per second (a ratio of EMA sums: a step's weight is its length)."""
+        sums = self.sums.get((bucket, drafted))
+        return None if sums is None else sums[0] / sums[1]
 
     def choose(self, batch_size: int, k: int) -> int:
         """The draft length to use when the policy chose k."""
-        if k == 0:
-            return 0  # the model says plain decoding: nothing to check
         bucket = batch_size.bit_length()
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
-        spec, plain = self.rate.get((bucket, True)), self.rate.get((bucket, False))
-        drafting_loses = spec is not None and plain is not None and spec < plain
+        spec, plain = self.rate(bucket, True), self.rate(bucket, False)
+        measured = spec is not None and plain is not None
         explore = n % self.explore_every == 0
-        return 0 if drafting_loses != explore else k
+        if k == 0:  # the model declined: re-measure acceptance now and then where drafting has paid
+            return 1 if explore and measured and spec > plain else 0
+        if (measured and spec < self.margin * plain) != explore:
+            return 0
+        if k < self.k_max and n % self.probe_every == self.probe_every // 2:
+            return k + 1
+        return k
 
     def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
-        key = (batch_size.bit_length(), drafted)
-        rate = tokens / seconds
-        prev = self.rate.get(key)
-        self.rate[key] = rate if prev is None else (1 - self.weight) * prev + self.weight * rate
+        sums = self.sums.get((batch_size.bit_length(), drafted))
+        if sums is None:
+            self.sums[(batch_size.bit_length(), drafted)] = [float(tokens), seconds]
+        else:
+            sums[0] = (1 - self.weight) * sums[0] + self.weight * tokens
+            sums[1] = (1 - self.weight) * sums[1] + self.weight * seconds
 
 
 class AcceptanceEstimator:
