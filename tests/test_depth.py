@@ -206,3 +206,13 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
     probing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=4)
     assert [probing.choose(1, 2) for _ in range(8)] == [2, 3, 2, 2, 2, 3, 2, 2]
     assert [probing.choose(1, 4) for _ in range(4)] == [4, 4, 4, 4]  # never beyond the configured k
+
+
+def test_measured_guard_backs_off_while_drafting_keeps_losing():
+    from specdecode.spec.depth import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16)
+    guard.observe(64, drafted=True, tokens=100, seconds=0.1)
+    guard.observe(64, drafted=False, tokens=64, seconds=0.03)  # drafting loses at batch 64
+    drafted_at = [i for i in range(1, 61) if guard.choose(64, 4) > 0]
+    assert drafted_at == [4, 12, 28, 44, 60]  # re-measured after 4, 8, 16, 16, 16 decisions

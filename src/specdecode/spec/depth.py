@@ -144,7 +144,9 @@ class MeasuredGuard:
     measured committed tokens per second of steps that drafted and of steps that did not
     (EMA), and lets the policy draft only where drafting has not measured slower. Every
     `explore_every`-th decision in a bucket takes the other arm, so both figures stay current
-    (the cost of being wrong is bounded by that fraction of steps).
+    (the cost of being wrong is bounded by that fraction of steps); where drafting keeps
+    losing, the interval doubles up to `max_interval`, because each such probe pays the
+    drafter's catch-up over everything decoded since the last one.
 
     Acceptance is only measured where drafts are verified: a policy that stops drafting
     position i (or drafting at all) after a few rejections would never see it recover. So,
@@ -154,9 +156,12 @@ class MeasuredGuard:
     """
 
     def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 16, weight: float = 0.05,
-                 margin: float = 0.97):
+                 margin: float = 0.97, max_interval: int = 1024):
         self.k_max = k_max
         self.explore_every = explore_every
+        self.max_interval = max_interval
+        self.interval: dict[int, int] = {}  # bucket -> decisions between explorations (backs off while drafting loses)
+        self.since: dict[int, int] = {}  # bucket -> decisions since the last exploration
         self.probe_every = probe_every
         self.weight = weight
         self.margin = margin  # drafting must measure below margin x plain to be stopped (per-step rates are noisy)
@@ -174,10 +179,18 @@ class MeasuredGuard:
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
         spec, plain = self.rate(bucket, True), self.rate(bucket, False)
         measured = spec is not None and plain is not None
-        explore = n % self.explore_every == 0
+        loses = measured and spec < self.margin * plain
+        since = self.since[bucket] = self.since.get(bucket, 0) + 1
+        interval = self.interval.get(bucket, self.explore_every)
+        explore = since >= interval
+        if explore:
+            self.since[bucket] = 0
+            # Re-measuring drafting where it loses costs a drafter catch-up over every token decoded
+            # since: back off (32, 64, ... decisions) while it keeps losing.
+            self.interval[bucket] = min(2 * interval, self.max_interval) if loses else self.explore_every
         if k == 0:  # the model declined: re-measure acceptance now and then where drafting has paid
             return 1 if explore and measured and spec > plain else 0
-        if (measured and spec < self.margin * plain) != explore:
+        if loses != explore:
             return 0
         if k < self.k_max and n % self.probe_every == self.probe_every // 2:
             return k + 1
