@@ -115,7 +115,7 @@ class DepthController:
     def update(self, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int], draft_seconds: float,
                num_draft_steps: int, confidence: list[list[float]] | None = None, step_seconds: float | None = None) -> None:
         self.estimator.update(num_draft, num_accepted, confidence)
-        if step_seconds:
+        if step_seconds and not self._catching_up:  # a catch-up is a one-time cost, priced by auto_k
             self.guard.observe(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds)
         if num_draft_steps and self._cost is not None and not self._catching_up:
             ratio = draft_seconds / num_draft_steps / self._cost.step_time(len(seqs), len(seqs))
@@ -155,9 +155,11 @@ class MeasuredGuard:
     Timing and counts are of past steps only: lossless like every other depth decision.
     """
 
-    def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 16, weight: float = 0.05,
-                 margin: float = 0.97, max_interval: int = 1024):
+    def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 4, weight: float = 0.05,
+                 margin: float = 0.97, max_interval: int = 1024, burst: int = 4):
         self.k_max = k_max
+        self.burst = burst  # drafting steps per re-measurement: its first pays the catch-up and is not measured
+        self.burst_left: dict[int, int] = {}
         self.explore_every = explore_every
         self.max_interval = max_interval
         self.interval: dict[int, int] = {}  # bucket -> decisions between explorations (backs off while drafting loses)
@@ -190,6 +192,11 @@ class MeasuredGuard:
             self.interval[bucket] = min(2 * interval, self.max_interval) if loses else self.explore_every
         if k == 0:  # the model declined: re-measure acceptance now and then where drafting has paid
             return 1 if explore and measured and spec > plain else 0
+        if loses and self.burst_left.get(bucket, 0) > 0:  # the rest of a re-measurement burst
+            self.burst_left[bucket] -= 1
+            return k
+        if loses and explore:
+            self.burst_left[bucket] = self.burst - 1
         if loses != explore:
             return 0
         if k < self.k_max and n % self.probe_every == self.probe_every // 2:
