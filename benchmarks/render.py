@@ -117,7 +117,13 @@ def main() -> None:
                            "this shared machine fall on every method alike; the bracket is a 90% bootstrap interval "
                            "over rounds. `none (second engine)` is a control: a second plain engine, timed like a "
                            "method; its distance from 1.00x is what two identical engines measure apart here. Where "
-                           "auto-k and D-Cut drafted 0 tokens they ran exactly plain decoding's steps.")
+                           "auto-k and D-Cut drafted 0 tokens they ran exactly plain decoding's steps. Measured at "
+                           "commit 4c59166. The D-Cut draft-model cell at concurrency 1 (7 drafted tokens) shows a "
+                           "trap fixed right after this run: the guard's re-measurement of drafting included the "
+                           "drafter's catch-up and confirmed a losing verdict forever; with bursts that do not "
+                           "measure the catch-up step, a one-pass check of the same cell measured 1.19x "
+                           "(90% interval 1.02-1.39) against fixed k's 1.16x; a two-pass check at concurrency 4 "
+                           "still had the draft model's D-Cut at 0.85x (fixed k 0.88x, EAGLE-3 D-Cut 0.99x).")
     lines += serve_section()
     (ROOT / "BENCHMARKS.md").write_text("\n".join(lines))
     print("wrote BENCHMARKS.md")
