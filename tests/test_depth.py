@@ -131,6 +131,40 @@ def test_greedy_output_unchanged_with_auto_k_and_dcut(native_model, native_draft
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
 
 
+def test_dcut_stops_drafting_rows_it_would_prune():
+    """D-Cut's drafting half: confident rows draft on, unsure ones stop; where verification is
+    free everyone drafts on, and where every verified token costs a step nothing does."""
+    config = SpeculativeConfig(method="draft_model", num_speculative_tokens=4, verify_pruning="dcut")
+
+    def controller(table, draft_cost):
+        depth = DepthController(config, lambda: CostModel({4: table}, 128), draft_cost_prior=draft_cost)
+        depth._prune_while_drafting = True
+        return depth
+
+    tops = [[0.95], [0.9], [0.05], [0.1]]  # after position 0: two sure rows, two unsure ones
+    depth = controller({1: 0.010, 2: 0.011, 5: 0.014}, 0.1)  # each verified column costs 10% of a step
+    assert depth.keep_drafting(0, tops, [0, 1, 2, 3]) == [0, 1]
+    assert depth.keep_drafting(0, tops, [2, 3]) == []  # the unsure rows alone are not worth a drafter step
+    assert controller({1: 0.010, 5: 0.010}, 0.0001).keep_drafting(0, tops, [0, 1, 2, 3]) == [0, 1, 2, 3]
+    assert controller({1: 0.010, 5: 0.050}, 0.1).keep_drafting(0, tops, [0, 1, 2, 3]) == []
+    depth._prune_while_drafting = False  # a guard probe (or no D-Cut): drafts run to their limit
+    assert depth.keep_drafting(0, tops, [2, 3]) == [2, 3]
+
+
+def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, native_drafter):
+    """The drafting loop honours a stop rule (here: only the first still-drafting row goes on)."""
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 99, 5, 17, 99, 5, 17], [8, 200, 31, 77], [42], [100, 101])]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(prompts, params)
+    spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={
+        "method": "draft_model", "model": str(native_model), "num_speculative_tokens": 4})
+    calls = []
+    spec.speculator.proposer.draft_stop = lambda step, tops, rows: calls.append(len(rows)) or rows[:1]
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert max(calls) > 1  # rows really were stopped
+
+
 # ---- D-Cut under sampling: the kept prefix may depend on x_<i, never on x_i ----------------
 
 V, N, GROUP = 6, 120_000, 4

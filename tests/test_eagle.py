@@ -46,6 +46,16 @@ def test_greedy_equals_plain_decoding(native_model, drafters, method):
     assert single[0].token_ids == plain[1].token_ids
 
 
+def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, drafters):
+    """D-Cut's drafting half stops rows mid-chain; what is drafted stays exact (greedy)."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
+    spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={
+        "method": "eagle3", "model": str(drafters["eagle3"]), "num_speculative_tokens": 4})
+    spec.speculator.proposer.draft_stop = lambda step, tops, rows: rows[1:]  # the first still-drafting row stops
+    assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
+
+
 def test_sampled_seeded_runs_are_reproducible(native_model, drafters):
     config = {"method": "eagle3", "model": str(drafters["eagle3"]), "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -84,6 +84,9 @@ class ProposerContext:
 class Proposer(Protocol):
     hidden_taps: tuple[int, ...]  # target layers whose hidden states this drafter reads (HF numbering)
     max_tree_depth: int  # tree drafters: the deepest node they ever propose (0 for chain drafters)
+    # Set by the speculator where a depth policy prunes while drafting (D-Cut); autoregressive
+    # chain drafters pass it to ChainDraft. None: draft up to max_tokens.
+    draft_stop: "Callable[[int, list[list[float]], list[int]], list[int]] | None"
 
     def __init__(self, ctx: ProposerContext) -> None: ...
 
@@ -120,6 +123,7 @@ class ProposerBase:
 
     hidden_taps: tuple[int, ...] = ()
     max_tree_depth: int = 0
+    draft_stop = None
     # Prior cost of one drafting step as a fraction of the target's one-token step at the same
     # batch size (auto-k and D-Cut use it until drafting has been measured): a small model's share.
     draft_cost_prior: float = 0.5

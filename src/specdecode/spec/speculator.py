@@ -50,6 +50,8 @@ class Speculator:
             draft_cost_prior=self.proposer.draft_cost_prior, pending_tokens=self.proposer.pending_tokens)
         if self.depth.needs_cost_model:
             self.depth.cost  # profile now, before any request owns a KV slot
+        if config.verify_pruning == "dcut":
+            self.proposer.draft_stop = self.depth.keep_drafting
         self.k = config.num_speculative_tokens
 
     @property

@@ -17,15 +17,19 @@ class ChainDraft:
     the prefix only, never on the token drawn, which keeps D-Cut pruning lossless.
     p_min (llama.cpp): a row stops at the first position whose top probability is below
     p_min, and that token is dropped.
+    stop (D-Cut's drafting half, `DepthController.keep_drafting`): after each step, given every
+    row's confidences so far, which still-drafting rows are worth another drafter step.
     """
 
-    def __init__(self, batch_size: int, k: int, vocab_size: int, device, p_min: float = 0.0):
+    def __init__(self, batch_size: int, k: int, vocab_size: int, device, p_min: float = 0.0, stop=None):
         self.token_ids = torch.full((batch_size, k), -1, dtype=torch.long, device=device)  # [B, k]
         self.probs = torch.zeros(batch_size, k, vocab_size, device=device)  # [B, k, V]
         self.confidence = torch.zeros(batch_size, k, device=device)  # [B, k]
         self.num = [0] * batch_size
         self.device = device
         self.p_min = p_min
+        self.stop = stop
+        self.tops: list[list[float]] = [[] for _ in range(batch_size)]  # host confidences of kept drafts (stop only)
 
     def add_step(self, active: list[int], step: int, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
         """logits [A, V] of the active rows -> the drafted token of each active row (-1 = stopped by p_min)."""
@@ -44,10 +48,21 @@ class ChainDraft:
             chosen = torch.where(top >= self.p_min, chosen, torch.full_like(chosen, -1))
         self.token_ids[rows, step] = chosen
         chosen_host = chosen.tolist()
-        for b, token in zip(active, chosen_host):
+        tops = top.tolist() if self.stop is not None else [None] * len(active)
+        for b, token, t in zip(active, chosen_host, tops):
             if token >= 0:
                 self.num[b] += 1
+                self.tops[b].append(t)
         return chosen_host
+
+    def continuing(self, step: int, active: list[int], chosen: list[int], max_tokens: list[int]) -> list[int]:
+        """The rows of `active` that draft position step + 1: not stopped by p_min, below their
+        limit and, with a stop rule, worth another step. The rule sees confidences up to `step`,
+        which depend on tokens before it only: lossless, as p_min is."""
+        still = [b for b, token in zip(active, chosen) if token >= 0 and step + 1 < max_tokens[b]]
+        if self.stop is not None and still:
+            still = self.stop(step, self.tops, still)
+        return still
 
     def result(self) -> Draft:
         return Draft(self.token_ids, torch.tensor(self.num, device=self.device), self.probs, self.confidence)

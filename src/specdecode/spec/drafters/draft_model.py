@@ -36,7 +36,7 @@ class DraftModelProposer(ProposerBase):
 
     def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
         k = max(max_tokens)
-        chain = ChainDraft(len(seqs), k, self.model.config.vocab_size, self.device, self.p_min)
+        chain = ChainDraft(len(seqs), k, self.model.config.vocab_size, self.device, self.p_min, self.draft_stop)
         active = [b for b in range(len(seqs)) if max_tokens[b] > 0]
         # First forward: catch up on committed tokens the drafter has not seen.
         entries = {}
@@ -51,14 +51,12 @@ class DraftModelProposer(ProposerBase):
                 break
             result = self.runner.forward([entries[b] for b in active])
             chosen = chain.add_step(active, step, result.logits[:, 0], sampling)
-            still = []
-            for b, token in zip(active, chosen):
-                if token >= 0 and step + 1 < max_tokens[b]:
-                    seq = seqs[b]
-                    entries[b] = ForwardEntry(seq.slot, [token], start=seq.num_tokens + step)
-                    seq.drafter_state["draft_fed"] = step + 1
-                    still.append(b)
-            active = still
+            token = dict(zip(active, chosen))
+            active = chain.continuing(step, active, chosen, max_tokens)
+            for b in active:
+                seq = seqs[b]
+                entries[b] = ForwardEntry(seq.slot, [token[b]], start=seq.num_tokens + step)
+                seq.drafter_state["draft_fed"] = step + 1
         return chain.result()
 
     def pending_tokens(self, seq) -> int:

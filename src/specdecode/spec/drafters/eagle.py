@@ -286,7 +286,7 @@ class EagleProposer(TargetFeatureBuffer):
         if self.topk > 1:
             return self._propose_tree(seqs, max_tokens)
         B, k = len(seqs), max(max_tokens)
-        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min)
+        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min, self.draft_stop)
         active = [b for b in range(B) if max_tokens[b] > 0]
         first = self._catch_up(seqs, active)
         entries = {b: e for b, (e, _) in first.items()}
@@ -296,15 +296,13 @@ class EagleProposer(TargetFeatureBuffer):
                 break
             out = self._forward_last([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
             chosen = chain.add_step(active, step, self._full_vocab_logits(out), sampling)
-            still = []
-            for i, (b, token) in enumerate(zip(active, chosen)):
-                if token >= 0 and step + 1 < max_tokens[b]:
-                    seq = seqs[b]
-                    # Next drafter position N-1+step takes (the token just drafted, the drafter's own output).
-                    entries[b] = ForwardEntry(seq.slot, [token], start=seq.num_tokens - 1 + step)
-                    feats[b] = out[i: i + 1]
-                    still.append(b)
-            active = still
+            row = {b: i for i, b in enumerate(active)}
+            active = chain.continuing(step, active, chosen, max_tokens)
+            for b in active:
+                seq, i = seqs[b], row[b]
+                # Next drafter position N-1+step takes (the token just drafted, the drafter's own output).
+                entries[b] = ForwardEntry(seq.slot, [chosen[i]], start=seq.num_tokens - 1 + step)
+                feats[b] = out[i: i + 1]
         return chain.result()
 
     def _propose_tree(self, seqs, max_tokens) -> Draft:
