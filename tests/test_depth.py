@@ -5,9 +5,9 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import SamplingBatch, process_logits
-from specdecode.spec.cost_model import CostModel, load_or_profile, monotone
+from specdecode.spec.cost_model import CostModel, LiveCost, load_or_profile, monotone
 from specdecode.config import SpeculativeConfig
-from specdecode.spec.depth import AcceptanceEstimator, DepthController, auto_k, dcut_lengths, expected_committed
+from specdecode.spec.depth import AcceptanceEstimator, DepthController, DraftCost, auto_k, dcut_lengths, expected_committed
 from specdecode.spec.verify import verify
 
 FREE_VERIFY = CostModel({1: {1: 0.01, 9: 0.01}, 64: {1: 0.01, 9: 0.01}}, 128)  # memory-bound: width is free
@@ -36,8 +36,6 @@ def test_auto_k_follows_cost_and_acceptance():
     assert auto_k(LINEAR, 1, 8, rates(0.9), draft_step_time=0.0) == 0  # every token costs a step: never worth it
     affine = CostModel({1: {1: 0.012, 9: 0.028}}, 128)  # a fixed cost plus a little per token
     assert auto_k(affine, 1, 8, rates(0.6), draft_step_time=0.0) == 2
-    # A fixed per-step overhead outside the forward makes longer drafts pay.
-    assert auto_k(affine, 1, 8, rates(0.6), draft_step_time=0.0, step_overhead=0.02) > 2
     assert expected_committed(0.5, 3) == pytest.approx(1.875) == rates(0.5).expected_committed(3)
 
 
@@ -50,9 +48,21 @@ def test_drafting_cost_scales_with_batch_and_is_learned():
     assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 0
     for _ in range(100):  # measured at batch 1: 0.1 ms per drafting step (1% of a target step), all accepted
         depth.update([None], [4], [4], draft_seconds=4 * 0.0001, num_draft_steps=4)
-    assert depth.draft_cost_ratio == pytest.approx(0.01, rel=0.05)
+    assert depth.draft_cost.per_step == pytest.approx(0.01, rel=0.05)
     assert depth.draft_step_time(64) == pytest.approx(0.01 * 0.064, rel=0.05)  # the ratio carries to batch 64
     assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 4
+
+
+def test_draft_cost_separates_a_fixed_part_from_the_per_position_part():
+    cost = DraftCost(prior_per_step=0.5)
+    for i in range(200):  # proposals 1-4 deep costing 0.15 + 0.3 per position (in target steps)
+        steps = 1 + i % 4
+        cost.observe(steps, 0.15 + 0.3 * steps)
+    assert cost.per_step == pytest.approx(0.3, rel=0.02) and cost.fixed == pytest.approx(0.15, rel=0.05)
+    same = DraftCost(prior_per_step=0.5)
+    for _ in range(50):  # always 4 deep: the parts cannot be told apart, the average stands
+        same.observe(4, 1.2)
+    assert same.per_step == pytest.approx(0.3) and same.fixed == 0.0
 
 
 def test_profile_noise_is_removed_by_monotonicity():
@@ -61,6 +71,20 @@ def test_profile_noise_is_removed_by_monotonicity():
     clean = monotone(noisy)
     assert clean[1] == {1: 0.007, 3: 0.008} and clean[4] == {1: 0.008, 3: 0.010, 5: 0.010}
     assert clean[2] == noisy[2]  # consistent points are kept
+
+
+def test_live_cost_follows_measured_steps():
+    """A profile taken while the machine was busy is rescaled by what steps really take."""
+    profile = CostModel({1: {1: 0.016, 5: 0.017}, 16: {1: 0.020, 5: 0.033}}, 128)
+    live = LiveCost(profile)
+    assert live.step_time(16, 16) == pytest.approx(0.020)  # unmeasured: the profile as is
+    for _ in range(60):
+        live.observe(16, 16, 0.012)  # batch-16 steps take 12 ms, not 20
+    assert live.step_time(16, 16) == pytest.approx(0.012, rel=0.01)
+    assert live.step_time(16, 80) == pytest.approx(0.033 * 0.6, rel=0.01)  # the profile's shape, the measured level
+    assert live.step_time(1, 1) == pytest.approx(0.016 * 0.6, rel=0.01)  # unmeasured bucket: the nearest one's scale
+    live.observe(1, 1, 0.011)
+    assert live.step_time(1, 1) == pytest.approx(0.011)  # its own measurement first
 
 
 def test_drafter_catch_up_is_priced_and_amortised():
@@ -83,9 +107,9 @@ def test_drafter_catch_up_is_priced_and_amortised():
     long_run = [Seq(room=100_000, pending=200)] * 64  # the same catch-up, spread over many steps
     assert min(depth.limits(long_run)) > 0
     # That step's draft time includes the catch-up: it must not be learned as a draft step's cost.
-    ratio = depth.draft_cost_ratio
+    ratio = depth.draft_cost.per_step
     depth.update(long_run, [2] * 64, [2] * 64, draft_seconds=5.0, num_draft_steps=2)
-    assert depth.draft_cost_ratio == ratio
+    assert depth.draft_cost.per_step == ratio
 
 
 def test_auto_k_explores_at_batch_1_before_any_measurement():

@@ -39,11 +39,18 @@ PROFILE_VERSION = 2  # cached profiles of another version are re-measured
 class CostModel:
     table: dict[int, dict[int, float]]  # batch size B -> {tokens per sequence n: seconds}
     context: int
+    # Sorted keys, computed once: the depth policies price thousands of forwards per second.
+    sizes: list[int] = dataclasses.field(init=False, repr=False, compare=False)
+    widths: dict[int, list[int]] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.sizes = sorted(self.table)
+        self.widths = {b: sorted(row) for b, row in self.table.items()}
 
     def step_time(self, batch_size: int, total_tokens: int) -> float:
         """Seconds for a forward of `batch_size` sequences carrying `total_tokens` new tokens."""
         n = total_tokens / max(1, batch_size)
-        sizes = sorted(self.table)
+        sizes = self.sizes
         i = bisect.bisect_left(sizes, batch_size)
         if i == 0:
             return self._at(sizes[0], n)
@@ -55,7 +62,7 @@ class CostModel:
 
     def _at(self, batch_size: int, n: float) -> float:
         row = self.table[batch_size]
-        widths = sorted(row)
+        widths = self.widths[batch_size]
         j = bisect.bisect_left(widths, n)
         if j < len(widths) and widths[j] == n:
             return row[widths[j]]
@@ -75,6 +82,40 @@ class CostModel:
     @classmethod
     def from_json(cls, data: dict) -> "CostModel":
         return cls({int(b): {int(n): float(t) for n, t in row.items()} for b, row in data["table"].items()}, int(data["context"]))
+
+
+class LiveCost:
+    """The profile's shape at the measured level.
+
+    A profile is one snapshot of a machine whose speed drifts (measured here: +-25% over tens
+    of seconds), and a start-up profile taken while the machine was busy is cached and reused:
+    one such profile priced batch-1 steps at 15.8 ms that took 11 ms, and batch-16 steps at 20 ms
+    that took 12 ms. So every served step's measured time outside drafting is compared with the
+    profile's price of its forward, and an EMA of that ratio per batch-size bucket (powers of two)
+    scales the profile; a bucket not measured yet takes the nearest measured one's scale. The
+    ratio also carries what the profile never sees (sampling, verification, bookkeeping).
+    """
+
+    def __init__(self, profile: CostModel, weight: float = 0.1):
+        self.profile = profile
+        self.weight = weight
+        self.scale: dict[int, float] = {}  # batch-size bucket (bit length) -> measured / profiled
+
+    def factor(self, batch_size: int) -> float:
+        if not self.scale:
+            return 1.0
+        bucket = batch_size.bit_length()
+        return self.scale.get(bucket) or self.scale[min(self.scale, key=lambda b: abs(b - bucket))]
+
+    def step_time(self, batch_size: int, total_tokens: int) -> float:
+        return self.factor(batch_size) * self.profile.step_time(batch_size, total_tokens)
+
+    def observe(self, batch_size: int, total_tokens: int, seconds: float) -> None:
+        """A step's measured seconds outside drafting, for a forward of these dimensions."""
+        ratio = seconds / self.profile.step_time(batch_size, total_tokens)
+        bucket = batch_size.bit_length()
+        old = self.scale.get(bucket)
+        self.scale[bucket] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
 
 
 def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Path:
