@@ -261,7 +261,7 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
     # Where drafting pays, a declined step drafts one token now and then (acceptance is only
     # measured where drafts are verified), and drafting steps sometimes go one position deeper.
     assert [guard.choose(16, 0) for _ in range(5)] == [1, 0, 0, 0, 1]  # decisions 20..24 of this bucket
-    probing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=4)
+    probing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=4, first_explore=1000)
     assert [probing.choose(1, 2) for _ in range(8)] == [2, 3, 2, 2, 2, 3, 2, 2]
     assert [probing.choose(1, 4) for _ in range(4)] == [4, 4, 4, 4]  # never beyond the configured k
 
@@ -276,3 +276,15 @@ def test_measured_guard_backs_off_while_drafting_keeps_losing():
     # Re-measured after 4, 8, 16, 16, 16 decisions, each time for a burst of 4 drafting steps
     # (the first of a burst pays the drafter's catch-up and is not measured).
     assert drafted_at == [4, 5, 6, 7, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60]
+
+
+def test_measured_guard_measures_both_arms_early():
+    from specdecode.spec.depth import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4)
+    # A fresh bucket: drafting on the model's word, plain decoding measured at the 4th decision
+    # (not the 32nd), then again every 4th until it has been measured.
+    assert [guard.choose(16, 3) for _ in range(8)] == [3, 3, 3, 0, 3, 3, 3, 0]
+    guard.observe(16, drafted=True, tokens=40, seconds=0.040)
+    guard.observe(16, drafted=False, tokens=16, seconds=0.012)  # drafting loses: plain from now on
+    assert [guard.choose(16, 3) for _ in range(8)] == [0] * 8

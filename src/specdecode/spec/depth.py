@@ -187,7 +187,8 @@ class MeasuredGuard:
     flips on errors that small. So, per batch-size bucket (powers of two), it keeps the
     measured committed tokens per second of steps that drafted and of steps that did not
     (EMA), and lets the policy draft only where drafting has not measured slower. Every
-    `explore_every`-th decision in a bucket takes the other arm, so both figures stay current
+    `explore_every`-th decision in a bucket (the `first_explore`-th while an arm is still
+    unmeasured) takes the other arm, so both figures stay current
     (the cost of being wrong is bounded by that fraction of steps); where drafting keeps
     losing, the interval doubles up to `max_interval`, because each such probe pays the
     drafter's catch-up over everything decoded since the last one.
@@ -200,11 +201,14 @@ class MeasuredGuard:
     """
 
     def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 4, weight: float = 0.05,
-                 margin: float = 0.97, max_interval: int = 1024, burst: int = 4):
+                 margin: float = 0.97, max_interval: int = 1024, burst: int = 4, first_explore: int = 4):
         self.k_max = k_max
         self.burst = burst  # drafting steps per re-measurement: its first pays the catch-up and is not measured
         self.burst_left: dict[int, int] = {}
         self.explore_every = explore_every
+        # Until both arms are measured in a bucket, the other arm is tried after this many decisions:
+        # a batch of 16 fresh requests drafting on an optimistic prior ran a whole round at 0.7x.
+        self.first_explore = first_explore
         self.max_interval = max_interval
         self.interval: dict[int, int] = {}  # bucket -> decisions between explorations (backs off while drafting loses)
         self.since: dict[int, int] = {}  # bucket -> decisions since the last exploration
@@ -228,6 +232,8 @@ class MeasuredGuard:
         loses = measured and spec < self.margin * plain
         since = self.since[bucket] = self.since.get(bucket, 0) + 1
         interval = self.interval.get(bucket, self.explore_every)
+        if not measured:
+            interval = min(interval, self.first_explore)
         explore = since >= interval
         if explore:
             self.since[bucket] = 0
