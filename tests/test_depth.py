@@ -130,6 +130,24 @@ def test_estimator_learns_positions_and_calibrates_confidences():
     assert est.calibrate([[0.5, 0.5, 0.5, 0.5]])[0][:2] == pytest.approx([0.8, 0.5], abs=0.02)
 
 
+def test_requests_without_drafter_confidence_are_scored_by_their_own_record():
+    """n-gram drafts carry no confidence: each request's measured acceptance stands in, blended
+    with the batch-wide rate, so the request whose drafts keep failing is cut first."""
+    from specdecode.spec.metrics import SpecStats
+
+    est = AcceptanceEstimator(3, prior=0.5)
+    repeats, never, fresh = SpecStats(), SpecStats(), SpecStats()
+    for _ in range(10):
+        repeats.observe(3, 3)  # every draft accepted
+        never.observe(3, 0)  # position 0 always rejected
+    conf = est.confidence([repeats, never, fresh])
+    assert conf[0] == pytest.approx([12 / 14] * 3)
+    assert conf[1][0] == pytest.approx(2 / 14) and conf[1][1:] == [0.5, 0.5]  # positions 1, 2 never reached
+    assert conf[2] == [0.5, 0.5, 0.5]  # no record yet: the batch-wide rate
+    each_token_costs_a_little = CostModel({3: {1: 0.030, 4: 0.036}}, 128)
+    assert dcut_lengths(conf, [3, 3, 3], each_token_costs_a_little, 0.0) == [3, 1, 3]
+
+
 def test_dcut_keeps_prefixes_and_first_positions():
     conf = [[0.9, 0.9, 0.9, 0.9], [0.2, 0.2, 0.2, 0.2], [0.6, 0.5, 0.4, 0.3]]
     assert dcut_lengths(conf, [4, 4, 4], FREE_VERIFY, 0.0) == [4, 4, 4]  # free verification: keep everything

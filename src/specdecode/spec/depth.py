@@ -20,6 +20,7 @@ from __future__ import annotations
 from specdecode.config import SpeculativeConfig
 from specdecode.engine.sequence import Sequence
 from specdecode.spec.cost_model import LiveCost
+from specdecode.spec.metrics import SpecStats
 
 
 class DepthController:
@@ -82,12 +83,13 @@ class DepthController:
             per_seq = [self.k] * len(seqs)
         return [max(0, min(k, seq.room - 1)) for k, seq in zip(per_seq, seqs)]
 
-    def verify_lengths(self, num_tokens: list[int], confidence: list[list[float]] | None) -> list[int]:
-        """How many of each sequence's drafts go to verification (n_min, then D-Cut)."""
+    def verify_lengths(self, seqs: list[Sequence], num_tokens: list[int], confidence: list[list[float]] | None) -> list[int]:
+        """How many of each sequence's drafts go to verification (n_min, then D-Cut). Drafters
+        without confidences (n-gram) are scored by each request's measured acceptance."""
         lengths = [0 if n < self.n_min else n for n in num_tokens]
         if self.confidence_threshold > 0 and max(lengths, default=0) > 0:
             # The confident prefix: cumulative confidence (prefix-only, so lossless) above the threshold.
-            conf = confidence if confidence is not None else self.estimator.confidence(len(lengths))
+            conf = confidence if confidence is not None else self.estimator.confidence([s.stats for s in seqs])
             for q, n in enumerate(lengths):
                 survival, keep = 1.0, 0
                 for i in range(n):
@@ -97,7 +99,8 @@ class DepthController:
                     keep += 1
                 lengths[q] = keep
         if self.pruning == "dcut" and max(lengths, default=0) > 0:
-            conf = self.estimator.calibrate(confidence) if confidence is not None else self.estimator.confidence(len(lengths))
+            conf = (self.estimator.calibrate(confidence) if confidence is not None
+                    else self.estimator.confidence([s.stats for s in seqs]))
             lengths = dcut_lengths(conf, lengths, self.cost, self.draft_seconds(len(lengths), max(num_tokens)))
         return lengths
 
@@ -264,9 +267,9 @@ class MeasuredGuard:
 
 class DraftCost:
     """Drafting cost in units of the target's one-token step T(B, B): a fixed part per proposal
-    (setting up the draft, feeding the drafter what was committed since its last proposal,
-    fixed per forward rather than per draft) plus a part per drafted position, fitted online by
-    EMA least squares over (steps, cost) of past proposals. The draft model at batch 1 averaged
+    (setting up the draft; the first drafter forward also feeds what was committed since the
+    last proposal) plus a part per drafted position, fitted online by EMA least squares over
+    (steps, cost) of past proposals. The draft model at batch 1 averaged
     3.6 ms per position in 4-deep proposals and 4.2 ms in 1.7-deep ones (about 1.7 ms fixed +
     3.2 ms per position): one average per step, what this replaces, made long drafts look dear.
     Proposals that all had the same depth cannot separate the parts: the average stands."""
@@ -338,8 +341,18 @@ class AcceptanceEstimator:
             total += survival
         return total
 
-    def confidence(self, batch_size: int) -> list[list[float]]:
-        return [list(self.rate) for _ in range(batch_size)]
+    def confidence(self, requests: "list[SpecStats]", prior_weight: float = 4.0) -> list[list[float]]:
+        """Per request, P(position i accepted | earlier accepted): the request's own record at i
+        blended with the batch-wide rate (worth `prior_weight` observations). Acceptance is a
+        property of the request as much as of the drafter (an n-gram drafter accepts nearly
+        everything on a request that repeats its prompt and nothing on the next), so one
+        batch-wide figure cuts the wrong drafts. Past verification results only: lossless."""
+        out = []
+        for stats in requests:
+            reached, accepted = stats.reached_per_position, stats.accepted_per_position
+            out.append([(accepted[i] + prior_weight * r) / (reached[i] + prior_weight) if i < len(reached) else r
+                        for i, r in enumerate(self.rate)])
+        return out
 
     def scale(self) -> list[float]:
         """Per position: measured acceptance / the drafter's mean confidence there."""

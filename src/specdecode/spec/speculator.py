@@ -76,7 +76,7 @@ class Speculator:
             num_draft_steps = max(num_tokens)
             if draft.parents is None:  # n_min and D-Cut shape chains; trees come shaped by their drafter
                 confidence = draft.confidence.tolist() if draft.confidence is not None else None
-                draft = draft.truncate(self.depth.verify_lengths(num_tokens, confidence))
+                draft = draft.truncate(self.depth.verify_lengths(seqs, num_tokens, confidence))
         else:
             draft = Draft.empty(len(seqs), device)
             num_draft_steps = 0
