@@ -265,7 +265,7 @@ def test_dcut_with_token_dependent_confidence_would_be_biased():
 def test_measured_guard_stops_drafting_where_it_measures_slower():
     from specdecode.spec.depth import MeasuredGuard
 
-    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=100)
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=100, min_samples=1)
     assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # unmeasured: the model's "no" stands
     assert [guard.choose(16, 3) for _ in range(4)] == [3, 3, 3, 0]  # unmeasured: draft, sometimes measure plain
     guard.observe(16, drafted=True, tokens=40, seconds=0.040)  # 1000 tok/s drafting
@@ -287,7 +287,7 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
 def test_measured_guard_backs_off_while_drafting_keeps_losing():
     from specdecode.spec.depth import MeasuredGuard
 
-    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16)
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
     guard.observe(64, drafted=True, tokens=100, seconds=0.1)
     guard.observe(64, drafted=False, tokens=64, seconds=0.03)  # drafting loses at batch 64
     drafted_at = [i for i in range(1, 61) if guard.choose(64, 4) > 0]
@@ -296,10 +296,26 @@ def test_measured_guard_backs_off_while_drafting_keeps_losing():
     assert drafted_at == [4, 5, 6, 7, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60]
 
 
+def test_measured_guard_needs_several_steps_per_arm():
+    from specdecode.spec.depth import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4, min_samples=4)
+    guard.observe(1, drafted=True, tokens=1, seconds=0.030)  # two unlucky drafting steps: nothing accepted
+    guard.observe(1, drafted=True, tokens=1, seconds=0.030)
+    for _ in range(4):
+        guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # plain: 100 tok/s
+    assert guard.rate(1, True) is None  # two steps are no verdict: drafting goes on
+    assert [guard.choose(1, 3) for _ in range(3)] == [3, 3, 3]
+    for _ in range(2):
+        guard.observe(1, drafted=True, tokens=5, seconds=0.025)  # typical drafting steps: 200 tok/s
+    assert guard.rate(1, True) == pytest.approx(12 / 0.110)  # the first steps averaged equally
+    assert guard.rate(1, True) > guard.rate(1, False)
+
+
 def test_measured_guard_measures_both_arms_early():
     from specdecode.spec.depth import MeasuredGuard
 
-    guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4)
+    guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4, min_samples=1)
     # A fresh bucket: drafting on the model's word, plain decoding measured at the 4th decision
     # (not the 32nd), then again every 4th until it has been measured.
     assert [guard.choose(16, 3) for _ in range(8)] == [3, 3, 3, 0, 3, 3, 3, 0]
