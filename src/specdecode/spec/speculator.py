@@ -24,7 +24,7 @@ from specdecode.spec.cost_model import load_or_profile
 from specdecode.spec.depth import DepthController
 from specdecode.spec.proposer import PROPOSERS, Draft, ProposerContext
 from specdecode.spec.tree import compact_accepted, node_depths, tree_attention_mask, verify_tree
-from specdecode.spec.verify import Verified, verify
+from specdecode.spec.verify import Verified, skip_uniform_draws, verify
 
 if TYPE_CHECKING:
     from specdecode.engine.engine import LLM
@@ -115,9 +115,7 @@ class Speculator:
         if max(num_draft) == 0:
             # Nothing to verify: sample as plain decoding does, without the verifier's [B, k+1, V] work.
             # The seeded rows still draw their k uniforms, so their random streams stay batch-independent.
-            for generator in sampling.generators:
-                if generator is not None:
-                    torch.rand(self.k, device=self.llm.device, generator=generator)
+            skip_uniform_draws(self.k, sampling.generators, self.llm.device)
             final = sample(result.logits[:, 0], sampling)
             return result, Verified(final[:, None], torch.zeros_like(final))
         draft = _pad_draft(draft, self.k)  # fixed width k: per-request random draws never depend on the batch

@@ -39,11 +39,20 @@ class Verified:
 
 
 def uniform_draws(rows: int, cols: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """[rows, cols] uniforms for verification; a seeded row draws its own `cols` from its generator."""
     u = torch.rand(rows, cols, device=device)
     for row, gen in enumerate(generators):
         if gen is not None:
             u[row] = torch.rand(cols, device=device, generator=gen)
     return u
+
+
+def skip_uniform_draws(cols: int, generators: list[torch.Generator | None], device) -> None:
+    """Advance each seeded row's generator as `uniform_draws` would, without drawing for the
+    other rows: a step with nothing to verify keeps seeded streams batch-independent."""
+    for gen in generators:
+        if gen is not None:
+            torch.rand(cols, device=device, generator=gen)
 
 
 def verify(
