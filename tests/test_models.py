@@ -135,3 +135,39 @@ def test_fused_projections_change_nothing_but_the_call_count(hf_models, family, 
     _, saved = read_checkpoint(tmp_path / "ck", "test")
     q = "model.layers.0.self_attn.q_proj.weight"
     torch.testing.assert_close(saved[q].float(), state[q].to(torch.bfloat16).float())
+
+
+def test_length_groups_split_only_where_padding_costs_more_than_a_forward():
+    from specdecode.engine.runner import length_groups
+    assert length_groups([5, 5, 5, 5]) == [[0, 1, 2, 3]]  # verify steps: one forward
+    assert length_groups([1, 150, 1, 1]) == [[0, 2, 3], [1]]  # a catch-up next to decode steps
+    assert length_groups([1, 150, 1, 1], overhead=1000) == [[0, 1, 2, 3]]  # forwards dearer than padding
+    lengths = [300, 20, 120, 25, 310, 110]
+    groups = length_groups(lengths, overhead=64)
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    cost = sum(64 + len(g) * max(lengths[i] for i in g) for g in groups)
+    assert cost == 64 * 3 + 2 * 25 + 2 * 120 + 2 * 310  # the optimum: short, middle, long
+
+
+def test_ragged_forward_in_groups_equals_one_padded_forward(native_model):
+    """A catch-up next to one-token steps runs as separate forwards: same logits, hidden states
+    and cache contents as the single padded forward."""
+    model = load_model(native_model, torch.float32)
+    prompts = [list(range(3, 3 + n)) for n in (40, 12, 9)]
+    outs = []
+    for overhead in (8, 10 ** 6):  # split, then one padded forward
+        runner = Runner(model, 4, 128, torch.float32, torch.device("cpu"))
+        runner.forward_overhead_tokens = overhead
+        runner.forward([ForwardEntry(1, prompts[1], 0), ForwardEntry(2, prompts[2], 0)])
+        entries = [ForwardEntry(0, prompts[0], 0), ForwardEntry(1, [7], 12), ForwardEntry(2, [8, 9], 9, num_logits=2)]
+        result = runner.forward(entries, hidden_taps=(0,))
+        outs.append((result, runner.kv_cache.k[0][:3, :41].clone()))
+    (split, k_split), (padded, k_padded) = outs
+    assert split.num_new == padded.num_new == [40, 1, 2]
+    torch.testing.assert_close(split.logits[0, :1], padded.logits[0, :1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split.logits[1, :1], padded.logits[1, :1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(split.logits[2], padded.logits[2], atol=1e-5, rtol=1e-5)
+    for b, n in enumerate(split.num_new):
+        torch.testing.assert_close(split.hidden[b, :n], padded.hidden[b, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(split.taps[0][b, :n], padded.taps[0][b, :n], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k_split, k_padded, atol=1e-5, rtol=1e-5)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.engine.runner import ForwardEntry, build_attention
+from specdecode.engine.runner import ForwardEntry, build_attention, length_groups
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import (AttentionBatch, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, fuse_projections,
@@ -162,12 +162,14 @@ class DFlashProposer(TargetFeatureBuffer):
             if raw.shape[0]:
                 context_entries.append(ForwardEntry(seqs[b].slot, [0] * raw.shape[0], start=cached))
                 contexts.append(self.drafter.context(raw))
-        if context_entries:
-            _, positions, batch = build_attention(context_entries, self.kv_cache.scratch_index, None, self.device)
-            padded = torch.zeros(len(contexts), positions.shape[1], contexts[0].shape[-1], dtype=contexts[0].dtype,
+        # A new request's whole prompt next to one-step contexts is written by its own pass (see `length_groups`).
+        for group in length_groups([c.shape[0] for c in contexts]) if contexts else []:
+            _, positions, batch = build_attention([context_entries[i] for i in group], self.kv_cache.scratch_index,
+                                                  None, self.device)
+            padded = torch.zeros(len(group), positions.shape[1], contexts[0].shape[-1], dtype=contexts[0].dtype,
                                  device=self.device)
-            for i, c in enumerate(contexts):
-                padded[i, : c.shape[0]] = c
+            for row, i in enumerate(group):
+                padded[row, : contexts[i].shape[0]] = contexts[i]
             self.drafter.write_context(padded, positions, batch, self.kv_cache)
         # 2. The block pass (its columns are overwritten by the next proposal's context).
         entries = [ForwardEntry(seqs[b].slot, [seqs[b].last_token_id] + [mask_id] * (block - 1),
