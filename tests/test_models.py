@@ -139,8 +139,8 @@ def test_fused_projections_change_nothing_but_the_call_count(hf_models, family, 
 
 def test_length_groups_split_only_where_padding_costs_more_than_a_forward():
     from specdecode.engine.runner import length_groups
-    assert length_groups([5, 5, 5, 5]) == [[0, 1, 2, 3]]  # verify steps: one forward
-    assert length_groups([1, 150, 1, 1]) == [[0, 2, 3], [1]]  # a catch-up next to decode steps
+    assert length_groups([5, 5, 5, 5], 128) == [[0, 1, 2, 3]]  # verify steps: one forward
+    assert length_groups([1, 150, 1, 1], 128) == [[0, 2, 3], [1]]  # a catch-up next to decode steps
     assert length_groups([1, 150, 1, 1], overhead=1000) == [[0, 1, 2, 3]]  # forwards dearer than padding
     lengths = [300, 20, 120, 25, 310, 110]
     groups = length_groups(lengths, overhead=64)

@@ -79,10 +79,17 @@ def build_attention(entries: list[ForwardEntry], scratch: int, sliding_window: i
 # What one more forward costs, in padded tokens: a forward's fixed cost (weight streaming, kernel
 # launches, Python) is worth ~100 tokens of extra width for the default model and its draft model
 # on a 2-core CPU (measured: draft model [1,1,1] 3.6 ms, [150] 8.3 ms, [150,1,1,1] padded 22.4 ms).
-FORWARD_OVERHEAD_TOKENS = 128
+# On a GPU, extra width is nearly free until a forward is compute-bound while every forward pays
+# its launches (not measured here): only prompt-sized gaps are worth a second forward there.
+FORWARD_OVERHEAD_TOKENS = {"cpu": 128}
+GPU_FORWARD_OVERHEAD_TOKENS = 2048
 
 
-def length_groups(lengths: list[int], overhead: int = FORWARD_OVERHEAD_TOKENS) -> list[list[int]]:
+def forward_overhead_tokens(device) -> int:
+    return FORWARD_OVERHEAD_TOKENS.get(torch.device(device).type, GPU_FORWARD_OVERHEAD_TOKENS)
+
+
+def length_groups(lengths: list[int], overhead: int) -> list[list[int]]:
     """Entry indices of a ragged batch, split into forwards of similar lengths.
 
     A batch is padded to its longest entry, so a drafter's 150-token catch-up of a newly
@@ -124,7 +131,7 @@ class Runner:
         self.dtype = dtype
         self.max_len = max_len
         self.kv_cache = KVCache(model.config, num_slots, max_len, dtype, device)
-        self.forward_overhead_tokens = FORWARD_OVERHEAD_TOKENS  # when a ragged batch is split (`length_groups`)
+        self.forward_overhead_tokens = forward_overhead_tokens(device)  # when a ragged batch is split (`length_groups`)
 
     @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...] = ()) -> ForwardResult:

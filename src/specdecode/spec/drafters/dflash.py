@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.engine.runner import ForwardEntry, build_attention, length_groups
+from specdecode.engine.runner import ForwardEntry, build_attention, forward_overhead_tokens, length_groups
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import (AttentionBatch, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, fuse_projections,
@@ -163,7 +163,8 @@ class DFlashProposer(TargetFeatureBuffer):
                 context_entries.append(ForwardEntry(seqs[b].slot, [0] * raw.shape[0], start=cached))
                 contexts.append(self.drafter.context(raw))
         # A new request's whole prompt next to one-step contexts is written by its own pass (see `length_groups`).
-        for group in length_groups([c.shape[0] for c in contexts]) if contexts else []:
+        overhead = forward_overhead_tokens(self.device)
+        for group in length_groups([c.shape[0] for c in contexts], overhead) if contexts else []:
             _, positions, batch = build_attention([context_entries[i] for i in group], self.kv_cache.scratch_index,
                                                   None, self.device)
             padded = torch.zeros(len(group), positions.shape[1], contexts[0].shape[-1], dtype=contexts[0].dtype,

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.engine.runner import ForwardEntry, build_attention, length_groups, merge_rows
+from specdecode.engine.runner import ForwardEntry, build_attention, forward_overhead_tokens, length_groups, merge_rows
 from specdecode.errors import ConfigError, ModelLoadError
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import (DecoderLayer, KVCache, LlamaForCausalLM, RMSNorm, RotaryEmbedding, fuse_projections,
@@ -249,7 +249,7 @@ class EagleProposer(TargetFeatureBuffer):
     def _forward(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
         """Drafter forward over ragged entries; features[b] [T_b, d]. Returns o [B, T, d] (padded).
         A catch-up next to one-token steps runs as its own forward (see `length_groups`)."""
-        groups = length_groups([len(e.token_ids) for e in entries])
+        groups = length_groups([len(e.token_ids) for e in entries], forward_overhead_tokens(self.device))
         if len(groups) == 1:
             return self._forward_padded(entries, features)
         return merge_rows([self._forward_padded([entries[i] for i in group], [features[i] for i in group])
