@@ -152,3 +152,27 @@ def test_serving_catch_up_equals_the_training_step(native_model, drafters, metho
     first = proposer._catch_up([seq], [0])[0]
     served = proposer._forward_last([first[0]], [first[1]])[0]
     torch.testing.assert_close(served, o[0, n - 2], atol=1e-4, rtol=1e-4)
+
+
+def test_a_catch_up_split_from_its_batch_keeps_greedy_output(native_model, drafters, monkeypatch):
+    """A long prompt admitted while another request decodes: the drafter's catch-up over it runs
+    as a forward of its own (`length_groups`), and the output stays plain decoding's."""
+    from specdecode.spec.drafters import eagle as eagle_module
+
+    splits = []
+    original = eagle_module.length_groups
+
+    def spy(lengths, overhead):
+        groups = original(lengths, overhead)
+        splits.append(len(groups))
+        return groups
+
+    monkeypatch.setattr(eagle_module, "length_groups", spy)
+    long_prompt = {"prompt_token_ids": [3 + (7 * i) % 300 for i in range(180)]}
+    prompts = [PROMPTS[0], {"prompt_token_ids": [9, 10]}, long_prompt]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 16)]
+    plain = LLM(native_model, dtype="float32", max_num_seqs=2).generate(prompts, params)
+    spec = LLM(native_model, dtype="float32", max_num_seqs=2, speculative_config={
+        "method": "eagle3", "model": str(drafters["eagle3"]), "num_speculative_tokens": 3}).generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert max(splits) == 2  # the catch-up ran beside the decoding request, in its own forward
