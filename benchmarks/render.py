@@ -131,11 +131,12 @@ def main() -> None:
                            "plain steps), but equal-length requests keep plain decoding in lock-step while "
                            "speculation desynchronises them, so every request pays its own prefill step, a drafter "
                            "catch-up over its prompt and, at the end of each timing round, a tail decoded at batch "
-                           "1-3. At 16-64 D-Cut stops drafting after measuring it (0.94x-1.03x at 16 and 32). At 64 "
-                           "this run measured D-Cut at 0.90x / 0.72x (each re-measurement of drafting there pays a "
-                           "drafter catch-up over all 64 requests; not traced in this run), and the same commit's previous sweep (4 passes) "
-                           "measured 1.11x / 1.09x at 64 (control 1.07x) and 1.01x / 1.03x at 4 (control 1.01x); "
-                           "in-process alternation of plain and D-Cut engines at 64 measured 1.00x-0.98x. "
+                           "1-3. At 16-64 D-Cut does not draft (0.94x-1.03x at 16 and 32). At 64 "
+                           "this run measured D-Cut at 0.90x / 0.72x with no drafts in its last pass, not "
+                           "reproduced: the EAGLE-3 D-Cut engine alone at 64 (four rounds, fresh profile) never "
+                           "drafted and ran its rounds at plain decoding's pace, the same commit's previous sweep "
+                           "(4 passes) measured 1.11x / 1.09x at 64 (control 1.07x) and 1.01x / 1.03x at 4 (control "
+                           "1.01x), and ""in-process alternation of plain and D-Cut engines at 64 measured 1.00x-0.98x. "
                            "Differences of a few percent are at this machine's noise floor (the control engine "
                            "measured 0.93x-1.22x across this session's sweeps).")
     lines += serve_section()
