@@ -131,7 +131,7 @@ def main() -> None:
                            "plain steps), but equal-length requests keep plain decoding in lock-step while "
                            "speculation desynchronises them, so every request pays its own prefill step, a drafter "
                            "catch-up over its prompt and, at the end of each timing round, a tail decoded at batch "
-                           "1-3. At 16-64 D-Cut does not draft (0.94x-1.03x at 16 and 32). At 64 "
+                           "1-3. At 16-64 D-Cut drafted nothing in the last pass (0.94x-1.03x at 16 and 32). At 64 "
                            "this run measured D-Cut at 0.90x / 0.72x with no drafts in its last pass, not "
                            "reproduced: the EAGLE-3 D-Cut engine alone at 64 (four rounds, fresh profile) never "
                            "drafted and ran its rounds at plain decoding's pace, two replicas of that level with all eight "

@@ -81,12 +81,8 @@ def build_attention(entries: list[ForwardEntry], scratch: int, sliding_window: i
 # on a 2-core CPU (measured: draft model [1,1,1] 3.6 ms, [150] 8.3 ms, [150,1,1,1] padded 22.4 ms).
 # On a GPU, extra width is nearly free until a forward is compute-bound while every forward pays
 # its launches (not measured here): only prompt-sized gaps are worth a second forward there.
-FORWARD_OVERHEAD_TOKENS = {"cpu": 128}
-GPU_FORWARD_OVERHEAD_TOKENS = 2048
-
-
 def forward_overhead_tokens(device) -> int:
-    return FORWARD_OVERHEAD_TOKENS.get(torch.device(device).type, GPU_FORWARD_OVERHEAD_TOKENS)
+    return 128 if torch.device(device).type == "cpu" else 2048
 
 
 def length_groups(lengths: list[int], overhead: int) -> list[list[int]]:

@@ -137,6 +137,7 @@ class DFlashProposer(TargetFeatureBuffer):
             raise ConfigError("speculative_config.model: the DFlash drafter does not fit the target (hidden size / mask id)")
         self.target = ctx.target
         self.device = ctx.device
+        self.forward_overhead_tokens = forward_overhead_tokens(ctx.device)  # see `length_groups`
         self.vocab_size = ctx.target.config.vocab_size
         self.hidden_taps = cfg.target_layer_ids
         self.p_min = ctx.config.draft_p_min
@@ -163,8 +164,7 @@ class DFlashProposer(TargetFeatureBuffer):
                 context_entries.append(ForwardEntry(seqs[b].slot, [0] * raw.shape[0], start=cached))
                 contexts.append(self.drafter.context(raw))
         # A new request's whole prompt next to one-step contexts is written by its own pass (see `length_groups`).
-        overhead = forward_overhead_tokens(self.device)
-        for group in length_groups([c.shape[0] for c in contexts], overhead) if contexts else []:
+        for group in length_groups([c.shape[0] for c in contexts], self.forward_overhead_tokens) if contexts else []:
             _, positions, batch = build_attention([context_entries[i] for i in group], self.kv_cache.scratch_index,
                                                   None, self.device)
             padded = torch.zeros(len(group), positions.shape[1], contexts[0].shape[-1], dtype=contexts[0].dtype,

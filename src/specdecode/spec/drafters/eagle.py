@@ -230,6 +230,7 @@ class EagleProposer(TargetFeatureBuffer):
             raise ConfigError("speculative_config.model: the drafter's hidden size does not match the target's")
         self.target = ctx.target
         self.device = ctx.device
+        self.forward_overhead_tokens = forward_overhead_tokens(ctx.device)  # see `length_groups`
         self.vocab_size = ctx.target.config.vocab_size
         self.hidden_taps = feature_taps(self.variant, ctx.target.config, self.drafter.cfg.aux_layers)
         self.topk, self.num_nodes = ctx.config.tree_topk, ctx.config.tree_num_nodes
@@ -249,7 +250,7 @@ class EagleProposer(TargetFeatureBuffer):
     def _forward(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
         """Drafter forward over ragged entries; features[b] [T_b, d]. Returns o [B, T, d] (padded).
         A catch-up next to one-token steps runs as its own forward (see `length_groups`)."""
-        groups = length_groups([len(e.token_ids) for e in entries], forward_overhead_tokens(self.device))
+        groups = length_groups([len(e.token_ids) for e in entries], self.forward_overhead_tokens)
         if len(groups) == 1:
             return self._forward_padded(entries, features)
         return merge_rows([self._forward_padded([entries[i] for i in group], [features[i] for i in group])
