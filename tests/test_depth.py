@@ -5,10 +5,12 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import SamplingBatch, process_logits
-from specdecode.spec.cost_model import CostModel, LiveCost, load_or_profile, monotone
-from specdecode.config import SpeculativeConfig
-from specdecode.spec.depth import AcceptanceEstimator, DepthController, DraftCost, auto_k, dcut_lengths, expected_committed
-from specdecode.spec.verify import verify
+from specdecode.speculative.policy.cost_model import CostModel, LiveCost, load_or_profile, monotone
+from specdecode.speculative.config import SpeculativeConfig
+from specdecode.speculative.policy.controller import DepthController, StepPlan
+from specdecode.speculative.policy.estimators import AcceptanceEstimator, DraftCost
+from specdecode.speculative.policy.rules import auto_k, dcut_lengths, expected_committed
+from specdecode.speculative.verify.chain import verify
 
 FREE_VERIFY = CostModel({1: {1: 0.01, 9: 0.01}, 64: {1: 0.01, 9: 0.01}}, 128)  # memory-bound: width is free
 LINEAR = CostModel({1: {1: 0.01, 9: 0.09}, 64: {1: 0.64, 9: 5.76}}, 128)  # compute-bound: every token costs
@@ -47,7 +49,7 @@ def test_drafting_cost_scales_with_batch_and_is_learned():
     # Unmeasured, drafting at batch 64 is assumed to cost half a target step per token: plain decoding wins.
     assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 0
     for _ in range(100):  # measured at batch 1: 0.1 ms per drafting step (1% of a target step), all accepted
-        depth.update([None], [4], [4], draft_seconds=4 * 0.0001, num_draft_steps=4)
+        depth.update(StepPlan([4]), [None], [4], [4], draft_seconds=4 * 0.0001, num_draft_steps=4)
     assert depth.draft_cost.per_step == pytest.approx(0.01, rel=0.05)
     assert depth.draft_step_time(64) == pytest.approx(0.01 * 0.064, rel=0.05)  # the ratio carries to batch 64
     assert auto_k(cost, 64, 4, depth.estimator, depth.draft_step_time(64)) == 4
@@ -94,21 +96,21 @@ def test_drafter_catch_up_is_priced_and_amortised():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, draft_length_schedule="auto")
 
     class Seq:
-        def __init__(self, room, pending):
-            self.room, self.pending = room, pending
+        def __init__(self, room):
+            self.room = room
 
-    depth = DepthController(config, lambda: cost, draft_cost_prior=0.3, pending_tokens=lambda seq: seq.pending)
-    caught_up = [Seq(room=64, pending=2)] * 64
+    depth = DepthController(config, lambda: cost, draft_cost_prior=0.3)
+    caught_up, behind = [2] * 64, [200] * 64  # tokens the drafter must consume first (200: every prompt)
     assert depth.catch_up_time(caught_up) == 0.0  # a step's worth is part of a draft step
-    assert min(depth.limits(caught_up)) > 0
-    behind = [Seq(room=64, pending=200)] * 64  # every prompt still to be fed to the drafter
+    assert min(depth.plan([Seq(room=64)] * 64, caught_up).max_tokens) > 0
     assert depth.catch_up_time(behind) > 0
-    assert depth.limits(behind) == [0] * 64
-    long_run = [Seq(room=100_000, pending=200)] * 64  # the same catch-up, spread over many steps
-    assert min(depth.limits(long_run)) > 0
+    assert depth.plan([Seq(room=64)] * 64, behind).max_tokens == [0] * 64
+    long_run = [Seq(room=100_000)] * 64  # the same catch-up, spread over many steps
+    plan = depth.plan(long_run, behind)
+    assert min(plan.max_tokens) > 0 and plan.catching_up
     # That step's draft time includes the catch-up: it must not be learned as a draft step's cost.
     ratio = depth.draft_cost.per_step
-    depth.update(long_run, [2] * 64, [2] * 64, draft_seconds=5.0, num_draft_steps=2)
+    depth.update(plan, long_run, [2] * 64, [2] * 64, draft_seconds=5.0, num_draft_steps=2)
     assert depth.draft_cost.per_step == ratio
 
 
@@ -133,7 +135,7 @@ def test_estimator_learns_positions_and_calibrates_confidences():
 def test_requests_without_drafter_confidence_are_scored_by_their_own_record():
     """n-gram drafts carry no confidence: each request's measured acceptance stands in, blended
     with the batch-wide rate, so the request whose drafts keep failing is cut first."""
-    from specdecode.spec.metrics import SpecStats
+    from specdecode.speculative.stats import SpecStats
 
     est = AcceptanceEstimator(3, prior=0.5)
     repeats, never, fresh = SpecStats(), SpecStats(), SpecStats()
@@ -179,9 +181,7 @@ def test_dcut_stops_drafting_rows_it_would_prune():
     config = SpeculativeConfig(method="draft_model", num_speculative_tokens=4, verify_pruning="dcut")
 
     def controller(table, draft_cost):
-        depth = DepthController(config, lambda: CostModel({4: table}, 128), draft_cost_prior=draft_cost)
-        depth._prune_while_drafting = True
-        return depth
+        return DepthController(config, lambda: CostModel({4: table}, 128), draft_cost_prior=draft_cost)
 
     tops = [[0.95], [0.9], [0.05], [0.1]]  # after position 0: two sure rows, two unsure ones
     depth = controller({1: 0.010, 2: 0.011, 5: 0.014}, 0.1)  # each verified column costs 10% of a step
@@ -189,8 +189,9 @@ def test_dcut_stops_drafting_rows_it_would_prune():
     assert depth.keep_drafting(0, tops, [2, 3]) == []  # the unsure rows alone are not worth a drafter step
     assert controller({1: 0.010, 5: 0.010}, 0.0001).keep_drafting(0, tops, [0, 1, 2, 3]) == [0, 1, 2, 3]
     assert controller({1: 0.010, 5: 0.050}, 0.1).keep_drafting(0, tops, [0, 1, 2, 3]) == []
-    depth._prune_while_drafting = False  # a guard probe (or no D-Cut): drafts run to their limit
-    assert depth.keep_drafting(0, tops, [2, 3]) == [2, 3]
+    # A guard probe (or no D-Cut) plans no pruning: chain drafters get no stop rule and run to their limit.
+    assert depth.draft_stop(StepPlan([4] * 4, prune_while_drafting=True)) == depth.keep_drafting
+    assert depth.draft_stop(StepPlan([4] * 4, prune_while_drafting=False)) is None
 
 
 def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, native_drafter):
@@ -201,7 +202,7 @@ def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, native_d
     spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={
         "method": "draft_model", "model": str(native_model), "num_speculative_tokens": 4})
     calls = []
-    spec.speculator.proposer.draft_stop = lambda step, tops, rows: calls.append(len(rows)) or rows[:1]
+    spec.speculator.depth.draft_stop = lambda plan: lambda step, tops, rows: calls.append(len(rows)) or rows[:1]
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert max(calls) > 1  # rows really were stopped
@@ -263,7 +264,7 @@ def test_dcut_with_token_dependent_confidence_would_be_biased():
 
 
 def test_measured_guard_stops_drafting_where_it_measures_slower():
-    from specdecode.spec.depth import MeasuredGuard
+    from specdecode.speculative.policy.guard import MeasuredGuard
 
     guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=100, min_samples=1)
     assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # unmeasured: the model's "no" stands
@@ -285,7 +286,7 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
 
 
 def test_measured_guard_backs_off_while_drafting_keeps_losing():
-    from specdecode.spec.depth import MeasuredGuard
+    from specdecode.speculative.policy.guard import MeasuredGuard
 
     guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
     guard.observe(64, drafted=True, tokens=100, seconds=0.1)
@@ -297,7 +298,7 @@ def test_measured_guard_backs_off_while_drafting_keeps_losing():
 
 
 def test_measured_guard_needs_several_steps_per_arm():
-    from specdecode.spec.depth import MeasuredGuard
+    from specdecode.speculative.policy.guard import MeasuredGuard
 
     guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4, min_samples=4)
     guard.observe(1, drafted=True, tokens=1, seconds=0.030)  # two unlucky drafting steps: nothing accepted
@@ -313,7 +314,7 @@ def test_measured_guard_needs_several_steps_per_arm():
 
 
 def test_measured_guard_measures_both_arms_early():
-    from specdecode.spec.depth import MeasuredGuard
+    from specdecode.speculative.policy.guard import MeasuredGuard
 
     guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4, min_samples=1)
     # A fresh bucket: drafting on the model's word, plain decoding measured at the 4th decision

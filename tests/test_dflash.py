@@ -87,6 +87,7 @@ def test_dflash_block_bounds_k(native_model, dflash_dir):
 def test_serving_block_pass_equals_the_training_pass(native_model, dflash_dir):
     """The proposer's cached context + block pass must compute what training optimised."""
     from specdecode.engine.sequence import Sequence
+    from specdecode.speculative.propose.features import FeatureState
     from specdecode.train.drafter import _block_states
 
     llm = LLM(native_model, dtype="float32", speculative_config={"method": "dflash", "model": str(dflash_dir),
@@ -100,6 +101,6 @@ def test_serving_block_pass_equals_the_training_pass(native_model, dflash_dir):
     raw = torch.cat([taps[i] for i in proposer.drafter.cfg.target_layer_ids], dim=-1)[0]
     # Committed tokens x_0 .. x_anchor; the target has processed positions 0 .. anchor - 1.
     seq = Sequence("t", None, window[0, : anchor + 1].tolist(), SamplingParams(), (0,), max_len=256, slot=0)
-    seq.drafter_state.update(features=[raw[:anchor]], draft_cached=0)
+    proposer._states[seq.request_id] = FeatureState(0, [raw[:anchor]])
     served = proposer.block_pass([seq], [0])[0, 1:]  # block positions 1 .. B-1
     torch.testing.assert_close(served, hidden[0], atol=1e-4, rtol=1e-4)

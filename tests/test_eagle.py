@@ -7,7 +7,7 @@ from helpers import train_briefly
 from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
-from specdecode.spec.drafters.eagle import load_drafter, save_drafter
+from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter, save_drafter
 from specdecode.train.drafter import RECIPES, DrafterTrainConfig
 
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3], [42], [100, 101, 102])]
@@ -52,7 +52,7 @@ def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, drafters
     plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
     spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={
         "method": "eagle3", "model": str(drafters["eagle3"]), "num_speculative_tokens": 4})
-    spec.speculator.proposer.draft_stop = lambda step, tops, rows: rows[1:]  # the first still-drafting row stops
+    spec.speculator.depth.draft_stop = lambda plan: lambda step, tops, rows: rows[1:]  # the first still-drafting row stops
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
 
 
@@ -135,7 +135,7 @@ def test_ttt_mask_matches_inference_attention():
 def test_serving_catch_up_equals_the_training_step(native_model, drafters, method):
     """The proposer's first draft state must be what training's first unroll step computed."""
     from specdecode.engine.sequence import Sequence
-    from specdecode.spec.drafters.eagle import raw_features
+    from specdecode.speculative.propose.features import FeatureState
     from specdecode.train.drafter import _eagle_unroll
 
     llm = LLM(native_model, dtype="float32", speculative_config={"method": method, "model": str(drafters[method]),
@@ -145,10 +145,10 @@ def test_serving_catch_up_equals_the_training_step(native_model, drafters, metho
     with torch.no_grad():
         _, _, _, o, _ = next(_eagle_unroll(proposer.drafter, llm.model, window, 1))  # o[:, t]: anchor t
         out = llm.model(window, torch.arange(12)[None], hidden_taps=proposer.hidden_taps)
-    raw = raw_features(method, out.hidden, out.taps, proposer.drafter.cfg.aux_layers)[0]
+    raw = proposer.drafter.raw_features(out.hidden, out.taps, proposer.drafter.cfg.aux_layers)[0]
     n = 8  # committed tokens x_0 .. x_7; the target has processed positions 0 .. 6
     seq = Sequence("t", None, window[0, :n].tolist(), SamplingParams(), (0,), max_len=256, slot=0)
-    seq.drafter_state.update(features=[raw[: n - 1]], draft_cached=0)
+    proposer._states[seq.request_id] = FeatureState(0, [raw[: n - 1]])
     first = proposer._catch_up([seq], [0])[0]
     served = proposer._forward_last([first[0]], [first[1]])[0]
     torch.testing.assert_close(served, o[0, n - 2], atol=1e-4, rtol=1e-4)
@@ -156,18 +156,18 @@ def test_serving_catch_up_equals_the_training_step(native_model, drafters, metho
 
 def test_a_catch_up_split_from_its_batch_keeps_greedy_output(native_model, drafters, monkeypatch):
     """A long prompt admitted while another request decodes: the drafter's catch-up over it runs
-    as a forward of its own (`length_groups`), and the output stays plain decoding's."""
-    from specdecode.spec.drafters import eagle as eagle_module
+    as a forward of its own (`LengthGrouping`), and the output stays plain decoding's."""
+    from specdecode.engine import ragged
 
     splits = []
-    original = eagle_module.length_groups
+    original = ragged.length_groups
 
     def spy(lengths, overhead):
         groups = original(lengths, overhead)
         splits.append(len(groups))
         return groups
 
-    monkeypatch.setattr(eagle_module, "length_groups", spy)
+    monkeypatch.setattr(ragged, "length_groups", spy)
     long_prompt = {"prompt_token_ids": [3 + (7 * i) % 300 for i in range(180)]}
     prompts = [PROMPTS[0], {"prompt_token_ids": [9, 10]}, long_prompt]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 16)]

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.engine.ragged import ForwardEntry
+from specdecode.engine.runner import Runner
 from specdecode.errors import ConfigError, InvalidRequestError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch, process_logits

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specdecode.errors import ConfigError
-from specdecode.models.gguf_export import _rope_permute, export_gguf
+from specdecode.interop.gguf import _rope_permute, export_gguf
 
 gguf = pytest.importorskip("gguf")
 

@@ -7,7 +7,7 @@ from helpers import train_briefly
 from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
-from specdecode.spec.tree import static_tree
+from specdecode.speculative.propose.static_tree import static_tree
 from specdecode.train.drafter import RECIPES, DrafterTrainConfig
 
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3], [42], [100, 101, 102])]

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.engine.ragged import ForwardEntry
+from specdecode.engine.runner import Runner
 from specdecode.errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
 from specdecode.models.loader import load_model
 
@@ -117,7 +118,7 @@ def test_fused_projections_change_nothing_but_the_call_count(hf_models, family, 
     """load_model fuses q/k/v and gate/up into one matmul each: same logits as the separate
     layers, same state_dict names and shapes, and the weights still save as separate tensors."""
     from specdecode.models.llama import fuse_projections
-    from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
+    from specdecode.models.checkpoint import read_checkpoint, save_checkpoint
 
     fused = load_model(hf_models[family], torch.float32)
     assert all(layer.self_attn.qkv is not None and layer.mlp.gate_up is not None for layer in fused.model.layers)
@@ -138,7 +139,7 @@ def test_fused_projections_change_nothing_but_the_call_count(hf_models, family, 
 
 
 def test_length_groups_split_only_where_padding_costs_more_than_a_forward():
-    from specdecode.engine.runner import length_groups
+    from specdecode.engine.ragged import length_groups
     assert length_groups([5, 5, 5, 5], 128) == [[0, 1, 2, 3]]  # verify steps: one forward
     assert length_groups([1, 150, 1, 1], 128) == [[0, 2, 3], [1]]  # a catch-up next to decode steps
     assert length_groups([1, 150, 1, 1], overhead=1000) == [[0, 1, 2, 3]]  # forwards dearer than padding

@@ -8,8 +8,8 @@ import torch
 from specdecode import LLM, SamplingParams, SpeculativeConfig
 from specdecode.errors import ConfigError, TokenizerMismatchError
 from specdecode.sampling import SamplingBatch, process_logits
-from specdecode.spec.drafters.ngram import find_continuation
-from specdecode.spec.verify import verify
+from specdecode.speculative.propose.drafters.ngram.proposer import find_continuation
+from specdecode.speculative.verify.chain import verify
 
 PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3, 12, 64, 9], [42], [100, 101, 102, 103, 104, 105]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

@@ -7,8 +7,9 @@ import torch
 
 from specdecode import LLM, SamplingParams
 from specdecode.sampling import SamplingBatch
-from specdecode.spec.proposer import PROPOSERS, Draft, ProposerBase, register
-from specdecode.spec.tree import node_depths, tree_attention_mask, verify_tree
+from specdecode.speculative.propose.proposer import Draft, ProposerBase
+from specdecode.speculative.propose.registry import PROPOSERS, register
+from specdecode.speculative.verify.tree import node_depths, tree_attention_mask, verify_tree
 
 
 def test_mask_and_depths():
@@ -61,6 +62,7 @@ class OracleTreeProposer(ProposerBase):
     max_tree_depth = 3
 
     def __init__(self, ctx):
+        super().__init__(ctx)
         self.target, self.vocab = ctx.target, ctx.target.config.vocab_size
         self.rng = random.Random(0)
 
@@ -73,7 +75,7 @@ class OracleTreeProposer(ProposerBase):
             out.append(int(self.target.compute_logits(h[0, -1]).argmax()))
         return out
 
-    def propose(self, seqs, max_tokens, sampling):
+    def propose(self, seqs, max_tokens, sampling, stop=None):
         rows = []
         for seq, limit in zip(seqs, max_tokens):
             depth = min(self.max_tree_depth, limit)
@@ -111,9 +113,10 @@ def test_tree_speculation_equals_plain_decoding(native_model):
 
 
 def test_cache_after_committing_a_tree_path_equals_sequential_decode(native_model):
-    from specdecode.engine.runner import ForwardEntry, Runner
+    from specdecode.engine.ragged import ForwardEntry
+    from specdecode.engine.runner import Runner
     from specdecode.models.loader import load_model
-    from specdecode.spec.tree import compact_accepted
+    from specdecode.speculative.verify.kv import compact_accepted
 
     model = load_model(native_model, torch.float32)
     cpu = torch.device("cpu")

@@ -6,7 +6,8 @@
     out.text, out.token_ids, out.metrics
 """
 
-from specdecode.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specdecode.config import EngineConfig, SamplingParams
+from specdecode.speculative.config import SpeculativeConfig
 from specdecode.engine.engine import LLM, RequestOutput
 from specdecode.errors import SpecDecodeError
 

@@ -251,7 +251,7 @@ def _add_profile(sub) -> None:
 
 def _run_profile(args) -> int:
     from specdecode import LLM
-    from specdecode.spec.cost_model import load_or_profile, plot
+    from specdecode.speculative.policy.cost_model import load_or_profile, plot
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
     model = load_or_profile(llm.runner, llm.config.model, args.max_num_seqs, args.max_tokens_per_seq, thorough=True)
@@ -290,11 +290,12 @@ def _run_export(args) -> int:
     from specdecode.errors import ConfigError
 
     if args.format == "gguf":
-        from specdecode.models.gguf_export import export_gguf
+        from specdecode.interop.gguf import export_gguf
 
         export_gguf(Path(args.model) if args.model else default_model_dir(), Path(args.out), args.gguf_type)
     else:
-        from specdecode.spec.drafters.eagle import export_speculators, load_drafter
+        from specdecode.interop.speculators import export_speculators
+        from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
 
         if args.drafter is None:
             raise ConfigError("--format speculators needs --drafter DIR (an EAGLE-3 drafter)")

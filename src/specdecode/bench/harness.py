@@ -24,10 +24,11 @@ import torch
 from tqdm import tqdm
 
 from specdecode.bench.prompts import load_prompts
-from specdecode.config import SamplingParams, SpeculativeConfig
+from specdecode.config import SamplingParams
+from specdecode.speculative.config import SpeculativeConfig
 from specdecode.engine.engine import LLM
 from specdecode.errors import ConfigError
-from specdecode.spec.metrics import SpecStats
+from specdecode.speculative.stats import SpecStats
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ drafts k greedy tokens with a second llama.cpp context; llama-cpp-python verifie
 in one batched eval and keeps the matching prefix). The speculative loop is
 llama-cpp-python's, in Python around llama.cpp's C++ forward; llama.cpp's own
 `llama-speculative` binary is not built by the Python package. Both models are converted to GGUF by
-`specdecode.models.gguf_export` (f16 weights, f32 norms) and fed the prompts' token ids, so
+`specdecode.interop.gguf` (f16 weights, f32 norms) and fed the prompts' token ids, so
 tokenization cannot differ.
 """
 
@@ -120,7 +120,7 @@ def gguf_file(model_dir: Path) -> Path:
     import hashlib
 
     from specdecode.defaults import cache_root
-    from specdecode.models.gguf_export import export_gguf
+    from specdecode.interop.gguf import export_gguf
 
     digest = hashlib.sha256()
     for name in ("config.json", "model.safetensors", "tokenizer.json"):

@@ -1,8 +1,10 @@
 """LLM: the public engine. add_request / step / generate.
 
 A step reads like the spec: schedule a batch, run it (prefill, plain decode, or a
-speculative step), hand the new tokens to the scheduler which appends them and finishes
-sequences.
+speculative step) into a `StepOutput`, and let the scheduler apply it (cache lengths,
+tokens, stop checks, finishing). This module is the composition root: it builds the target
+and, from `speculative_config`, the speculator, which sees the target through a
+`TargetHandle` only.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ import torch
 
 from specdecode.config import EngineConfig, SamplingParams
 from specdecode.defaults import default_model_dir
-from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.engine.ragged import ForwardEntry
+from specdecode.engine.runner import Runner
 from specdecode.engine.scheduler import ScheduledBatch, Scheduler
 from specdecode.engine.sequence import Sequence
+from specdecode.engine.step_output import StepOutput
 from specdecode.errors import InvalidRequestError, ModelLoadError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch, sample
-from specdecode.spec.metrics import SpecStats
+from specdecode.speculative.speculator import TargetHandle, build_speculator
+from specdecode.speculative.stats import SpecStats
 from specdecode.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,7 +38,7 @@ Prompt = str | dict  # text, or {"prompt_token_ids": [...]}
 
 @dataclasses.dataclass(slots=True)
 class RequestMetrics:
-    """Per-request figures: speculative stats (see spec/metrics.py) and latencies (seconds)."""
+    """Per-request figures: speculative stats (see speculative/stats.py) and latencies (seconds)."""
 
     num_prompt_tokens: int
     num_output_tokens: int
@@ -116,9 +121,8 @@ class LLM:
         torch.manual_seed(seed)
         self._request_counter = itertools.count()
         self.stats = SpecStats()  # aggregate over finished requests
-        from specdecode.spec.speculator import build_speculator
-
-        self.speculator = build_speculator(speculative_config, self)
+        self.speculator = build_speculator(speculative_config, TargetHandle(
+            self.runner, model_dir, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len))
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -171,49 +175,47 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        new_tokens = self._execute(batch)
-        return self._postprocess(batch, new_tokens)
+        output = self._execute(batch)
+        self.scheduler.postprocess(output)
+        return self._outputs(output)
 
-    def _execute(self, batch: ScheduledBatch) -> list[list[int]]:
+    def _execute(self, batch: ScheduledBatch) -> StepOutput:
         if batch.prefill:
             return self._prefill(batch.prefill)
         if not batch.decode:
-            return []
+            return StepOutput.empty()
         if self.speculator is not None:
-            return self.speculator.step(batch.decode)
+            return self.speculator.step(batch.decode, self._sampling_batch(batch.decode))
         return self._decode(batch.decode)
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device)
 
-    def _prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _prefill(self, seqs: list[Sequence]) -> StepOutput:
         entries = [ForwardEntry(s.slot, s.prompt_token_ids, start=0) for s in seqs]
         result = self.runner.forward(entries, hidden_taps=self.speculator.hidden_taps if self.speculator else ())
         tokens = sample(result.logits[:, 0], self._sampling_batch(seqs)).tolist()
-        for s in seqs:
-            s.num_cached = len(s.prompt_token_ids)
         if self.speculator is not None:
             self.speculator.on_prefill(seqs, result)
-        return [[t] for t in tokens]
+        return StepOutput(seqs, [[t] for t in tokens], [len(s.prompt_token_ids) for s in seqs])
 
-    def _decode(self, seqs: list[Sequence]) -> list[list[int]]:
+    def _decode(self, seqs: list[Sequence]) -> StepOutput:
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         result = self.runner.forward(entries)
         tokens = sample(result.logits[:, 0], self._sampling_batch(seqs)).tolist()
-        for s in seqs:
-            s.num_cached += 1
-        return [[t] for t in tokens]
+        return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs))
 
-    def _postprocess(self, batch: ScheduledBatch, new_tokens: list[list[int]]) -> list[RequestOutput]:
-        outputs = []
-        for seq, tokens in zip(batch.prefill or batch.decode, new_tokens):
-            self.scheduler.append_tokens(seq, tokens)
+    def _outputs(self, output: StepOutput) -> list[RequestOutput]:
+        """Outputs of the step's requests; finished ones hand their stats over and free drafter state."""
+        for seq in output.seqs:
             if seq.is_finished:
-                self.stats.merge(seq.stats)
-                if self.speculator is not None:
-                    self.speculator.release(seq)
-            outputs.append(self.output_of(seq))
-        return outputs
+                self._on_finish(seq)
+        return [self.output_of(seq) for seq in output.seqs]
+
+    def _on_finish(self, seq: Sequence) -> None:
+        self.stats.merge(seq.stats)
+        if self.speculator is not None:
+            self.speculator.release(seq)
 
     def output_of(self, seq: Sequence) -> RequestOutput:
         text = self.tokenizer.decode(seq.output_token_ids)

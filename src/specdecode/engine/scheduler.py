@@ -13,6 +13,7 @@ import dataclasses
 import time
 
 from specdecode.engine.sequence import Sequence, SequenceStatus
+from specdecode.engine.step_output import StepOutput
 from specdecode.tokenizer import Tokenizer
 
 
@@ -52,6 +53,17 @@ class Scheduler:
             self.running.sort(key=lambda s: s.slot)
             return ScheduledBatch(prefill=admitted, decode=[])
         return ScheduledBatch(prefill=[], decode=list(self.running))
+
+    def postprocess(self, out: StepOutput) -> None:
+        """Apply a step to its sequences: cache lengths, speculative stats, tokens, stops."""
+        share = 1.0 / max(1, len(out.seqs))
+        for b, seq in enumerate(out.seqs):
+            seq.num_cached += out.num_cached[b]
+            if out.num_draft is not None:
+                seq.stats.observe(out.num_draft[b], out.num_accepted[b])
+                seq.stats.draft_time += out.draft_seconds * share
+                seq.stats.verify_time += out.verify_seconds * share
+            self.append_tokens(seq, out.token_ids[b])
 
     def append_tokens(self, seq: Sequence, new_token_ids: list[int]) -> list[int]:
         """Append tokens one by one until a stop condition; returns the tokens kept."""

@@ -9,7 +9,7 @@ import time
 import torch
 
 from specdecode.config import SamplingParams
-from specdecode.spec.metrics import SpecStats
+from specdecode.speculative.stats import SpecStats
 
 
 class SequenceStatus(enum.Enum):
@@ -39,7 +39,6 @@ class Sequence:
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
-    drafter_state: dict = dataclasses.field(default_factory=dict)  # a proposer's per-request bookkeeping
 
     @property
     def num_tokens(self) -> int:

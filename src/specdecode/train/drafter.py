@@ -117,7 +117,7 @@ def draft_model_loss(drafter, target, window) -> torch.Tensor:
 
 
 def export_draft_model(drafter: LlamaForCausalLM, target: LlamaForCausalLM, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.spec.drafters.checkpoint import save_checkpoint
+    from specdecode.models.checkpoint import save_checkpoint
 
     state = {k: v for k, v in drafter.state_dict().items() if k != "lm_head.weight"}  # tied
     save_checkpoint(state, drafter.config.to_hf_dict(), cfg.out_dir, cfg.target, report)
@@ -126,13 +126,13 @@ def export_draft_model(drafter: LlamaForCausalLM, target: LlamaForCausalLM, cfg:
 # ---- EAGLE, EAGLE-3, MTP ------------------------------------------------------------------------
 
 def build_eagle(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
-    from specdecode.spec.drafters.eagle import EagleConfig, EagleDrafter, default_aux_layers
+    from specdecode.speculative.propose.drafters.eagle.model import EagleConfig, build_drafter, default_aux_layers
 
     tc = target.config
     layer = dataclasses.replace(tc, num_hidden_layers=1)
     aux = default_aux_layers(tc.num_hidden_layers) if cfg.method == "eagle3" else ()
     draft_vocab = min(cfg.draft_vocab_size, tc.vocab_size) if cfg.method == "eagle3" else 0
-    drafter = EagleDrafter(EagleConfig(cfg.method, layer, aux, draft_vocab))
+    drafter = build_drafter(EagleConfig(cfg.method, layer, aux, draft_vocab))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if p.dim() >= 2:
@@ -177,15 +177,14 @@ def _eagle_unroll(drafter, target: LlamaForCausalLM, window: torch.Tensor, steps
     inference (`ttt_mask`). Each step's keys go into a fresh concatenated cache, so autograd sees
     no in-place change of anything an earlier step saved."""
     from specdecode.models.llama import AttentionBatch
-    from specdecode.spec.drafters.eagle import feature_taps, raw_features
 
     B, T = window.shape
     device = window.device
-    taps = feature_taps(drafter.cfg.variant, target.config, drafter.cfg.aux_layers)
+    taps = drafter.feature_taps(target.config, drafter.cfg.aux_layers)
     with torch.no_grad():
         out = target(window, torch.arange(T, device=device).expand(B, T), hidden_taps=taps)
         p_logits = target.compute_logits(out.hidden)  # [B, T, V]
-        raw = raw_features(drafter.cfg.variant, out.hidden, out.taps, drafter.cfg.aux_layers)
+        raw = drafter.raw_features(out.hidden, out.taps, drafter.cfg.aux_layers)
         embeds = target.model.embed_tokens(window)
     feats = drafter.features(raw)  # [B, T, d]
     f_in = feats[:, :-1]
@@ -218,12 +217,12 @@ def _soft_ce(q_logits: torch.Tensor, p_logits: torch.Tensor, draft_ids: torch.Te
 def eagle_loss(drafter, target, window) -> torch.Tensor:
     """Soft cross-entropy against the target at every unrolled step, weighted 0.8^(j-1);
     EAGLE-1 adds its SmoothL1 feature regression on the first step."""
-    steps = {"eagle": 3, "mtp": 3, "eagle3": 5}[drafter.cfg.variant]
+    steps = drafter.train_unroll_steps
     draft_ids = drafter.draft_to_target
     total = 0.0
     for j, q_logits, p_logits, o, next_feature in _eagle_unroll(drafter, target, window, steps):
         total = total + 0.8 ** (j - 1) * _soft_ce(q_logits, p_logits, draft_ids)
-        if j == 1 and drafter.cfg.variant == "eagle":
+        if j == 1 and drafter.regress_features:
             total = total + F.smooth_l1_loss(o.float(), next_feature.float())
     return total
 
@@ -240,7 +239,7 @@ def eagle_predict(drafter, target, window):
 
 
 def export_eagle(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.spec.drafters.eagle import save_drafter
+    from specdecode.speculative.propose.drafters.eagle.checkpoint import save_drafter
 
     save_drafter(drafter, cfg.out_dir, cfg.target, report)
 
@@ -248,7 +247,7 @@ def export_eagle(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None
 # ---- Medusa ----------------------------------------------------------------------------------------
 
 def build_medusa(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
-    from specdecode.spec.drafters.medusa import MedusaHeads
+    from specdecode.speculative.propose.drafters.medusa.model import MedusaHeads
 
     return MedusaHeads(target.config.hidden_size, cfg.medusa_heads)
 
@@ -279,7 +278,7 @@ def medusa_predict(heads, target, window):
 
 
 def export_medusa(heads, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.spec.drafters.medusa import save_heads
+    from specdecode.speculative.propose.drafters.medusa.model import save_heads
 
     save_heads(heads, cfg.out_dir, cfg.target, report)
 
@@ -287,7 +286,7 @@ def export_medusa(heads, target, cfg: DrafterTrainConfig, report: dict) -> None:
 # ---- DFlash ------------------------------------------------------------------------------------
 
 def build_dflash(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
-    from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, default_target_layers
+    from specdecode.speculative.propose.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_target_layers
     from specdecode.tokenizer import Tokenizer
 
     tc = target.config
@@ -377,7 +376,7 @@ def dflash_predict(drafter, target, window):
 
 
 def export_dflash(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.spec.drafters.dflash import save_dflash
+    from specdecode.speculative.propose.drafters.dflash.model import save_dflash
 
     save_dflash(drafter, cfg.out_dir, cfg.target, report)
 
@@ -385,7 +384,7 @@ def export_dflash(drafter, target, cfg: DrafterTrainConfig, report: dict) -> Non
 # ---- DSpark ------------------------------------------------------------------------------------
 
 def build_dspark(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
-    from specdecode.spec.drafters.dspark import DSparkConfig, DSparkDrafter
+    from specdecode.speculative.propose.drafters.dspark.model import DSparkConfig, DSparkDrafter
 
     backbone = build_dflash(target, cfg)
     drafter = DSparkDrafter(DSparkConfig(backbone.cfg, cfg.markov_rank), target.config.vocab_size)
@@ -462,7 +461,7 @@ def expected_calibration_error(predicted: torch.Tensor, actual: torch.Tensor, bi
 
 
 def export_dspark(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.spec.drafters.dspark import save_dspark
+    from specdecode.speculative.propose.drafters.dspark.model import save_dspark
 
     save_dspark(drafter, cfg.out_dir, cfg.target, report)
 

@@ -1,25 +1,34 @@
-"""The drafter contract: `Proposer` protocol, the `Draft` it returns, and the registry.
+"""The drafter contract: the `Proposer` protocol, the `Draft` it returns, what it may use of
+the target (`ProposerContext`), and `ProposerBase`, which keeps each request's typed drafter
+state and frees it on release.
 
-A method registers its proposer class by name with `@register("name")`; the engine builds
-whatever `speculative_config.method` names and never branches on it.
+A proposer sees the target only through its context: the model (for shared embeddings, LM
+head and features), the cache geometry and the ragged-batch grouping. Depth policy reaches
+it as plain arguments: how many tokens each row may draft and, for chain drafters, a stop
+rule (`stop`) applied after each drafter step.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, ClassVar, Generic, Protocol, TypeVar
 
 import torch
 
 if TYPE_CHECKING:
-    from specdecode.config import SpeculativeConfig
+    from specdecode.engine.ragged import LengthGrouping
     from specdecode.engine.runner import ForwardResult
     from specdecode.engine.sequence import Sequence
     from specdecode.models.llama import LlamaForCausalLM
     from specdecode.sampling import SamplingBatch
-    from specdecode.spec.verify import Verified
+    from specdecode.speculative.config import SpeculativeConfig
+    from specdecode.speculative.verify.chain import Verified
     from specdecode.tokenizer import Tokenizer
+
+# After drafter step `step`: (step, confidences of each row's kept drafts so far, rows still
+# drafting) -> the rows that draft further. Confidences depend on tokens before `step` only.
+DraftStop = Callable[[int, list[list[float]], list[int]], list[int]]
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,6 +60,18 @@ class Draft:
             parents = torch.where(cols < num[:, None], self.parents[:, :k], torch.full_like(self.parents[:, :k], -2))
         return Draft(token_ids, num, probs, confidence, parents)
 
+    def pad_to(self, k: int) -> "Draft":
+        """The same draft at width k (padding: -1 tokens, zero probabilities and confidences)."""
+        pad = k - self.token_ids.shape[1]
+        if pad == 0:
+            return self
+
+        def widen(x: torch.Tensor | None, value: float = 0.0) -> torch.Tensor | None:  # [B, width] -> [B, k]
+            return None if x is None else torch.nn.functional.pad(x, (0, pad), value=value)
+
+        probs = None if self.probs is None else torch.nn.functional.pad(self.probs, (0, 0, 0, pad))
+        return Draft(widen(self.token_ids, -1), self.num_tokens, probs, widen(self.confidence), widen(self.parents, -2))
+
     def drop_rows(self, rows: list[int]) -> "Draft":
         """The same draft with no tokens for the given sequences (they decode normally)."""
         if not rows:
@@ -75,60 +96,69 @@ class ProposerContext:
     target: "LlamaForCausalLM"
     target_dir: Path
     tokenizer: "Tokenizer"
-    num_slots: int
-    max_len: int
+    num_slots: int  # KV slots of the target (a drafter's own cache uses the same slot ids)
+    max_len: int  # the target's max_model_len
     dtype: torch.dtype
     device: torch.device
+    grouping: "LengthGrouping"  # how ragged forwards are cut into length groups on this device
 
 
 class Proposer(Protocol):
     hidden_taps: tuple[int, ...]  # target layers whose hidden states this drafter reads (HF numbering)
     max_tree_depth: int  # tree drafters: the deepest node they ever propose (0 for chain drafters)
-    # Set by the speculator where a depth policy prunes while drafting (D-Cut); autoregressive
-    # chain drafters pass it to ChainDraft. None: draft up to max_tokens.
-    draft_stop: "Callable[[int, list[list[float]], list[int]], list[int]] | None"
+    supports_tree: bool  # can draft trees (tree_topk > 1)
+    draft_cost_prior: float  # one drafting step's cost / the target's one-token step, until measured
 
     def __init__(self, ctx: ProposerContext) -> None: ...
 
-    def propose(self, seqs: list["Sequence"], max_tokens: list[int], sampling: "SamplingBatch") -> Draft:
+    def propose(self, seqs: list["Sequence"], max_tokens: list[int], sampling: "SamplingBatch",
+                stop: DraftStop | None = None) -> Draft:
         """Draft at most max_tokens[b] tokens after each sequence's committed tokens."""
 
     def on_prefill(self, seqs: list["Sequence"], result: "ForwardResult") -> None:
         """The target just prefilled these sequences (result holds its taps)."""
 
     def on_commit(self, seqs: list["Sequence"], draft: Draft, verified: "Verified", result: "ForwardResult") -> None:
-        """Sync drafter state with what was committed (before tokens are appended)."""
+        """Sync drafter state with what was committed (before the sequences advance)."""
 
     def pending_tokens(self, seq: "Sequence") -> int:
         """Committed tokens the drafter must catch up on before its next draft (prices drafting)."""
 
     def release(self, seq: "Sequence") -> None:
-        """The sequence finished or was aborted: drop per-request state."""
+        """The sequence finished or was aborted: drop its drafter state."""
+
+    def num_live_states(self) -> int:
+        """Requests whose drafter state is held (0 once every request was released)."""
 
 
-PROPOSERS: dict[str, type] = {}
+State = TypeVar("State")
 
 
-def register(name: str):
-    def wrap(cls):
-        PROPOSERS[name] = cls
-        cls.method_name = name
-        return cls
-
-    return wrap
-
-
-class ProposerBase:
-    """No-op hooks for proposers that keep no per-step state."""
+class ProposerBase(Generic[State]):
+    """Per-request drafter state (one typed dataclass per request, `state_type`), freed on
+    release, and no-op hooks for proposers that keep none."""
 
     hidden_taps: tuple[int, ...] = ()
     max_tree_depth: int = 0
-    draft_stop = None
+    supports_tree: bool = False
     # Prior cost of one drafting step as a fraction of the target's one-token step at the same
     # batch size (auto-k and D-Cut use it until drafting has been measured): a small model's share.
     draft_cost_prior: float = 0.5
+    state_type: ClassVar[type | None] = None  # the per-request state dataclass; None = stateless
+    method_name: ClassVar[str]  # set by `register`
 
-    def pending_tokens(self, seq) -> int:
+    def __init__(self, ctx: ProposerContext):
+        self.device = ctx.device
+        self._states: dict[str, State] = {}
+
+    def state(self, seq: "Sequence") -> State:
+        """This request's drafter state (created empty on first use)."""
+        state = self._states.get(seq.request_id)
+        if state is None:
+            state = self._states[seq.request_id] = self.state_type()
+        return state
+
+    def pending_tokens(self, seq: "Sequence") -> int:
         """Committed tokens the drafter has not consumed yet: its next proposal feeds them all
         first (the whole prompt, the first time). Stateless drafters have none."""
         return 0
@@ -140,42 +170,7 @@ class ProposerBase:
         pass
 
     def release(self, seq) -> None:
-        pass
+        self._states.pop(seq.request_id, None)
 
-
-def resolve_drafter_dir(ctx: ProposerContext, default_name: str) -> Path:
-    """speculative_config.model, or the drafter shipped for this method with the default model."""
-    from specdecode.defaults import is_default_model, models_dir
-    from specdecode.errors import ConfigError
-
-    method = ctx.config.method
-    if ctx.config.model is not None:
-        path = Path(ctx.config.model)
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"speculative_config.model {str(path)!r} is not a checkpoint directory (no config.json)")
-        return path
-    if not is_default_model(ctx.target_dir):
-        raise ConfigError(f"speculative_config.model is required for method {method!r}: drafters are shipped "
-                          "only for the embedded default model")
-    path = models_dir() / default_name
-    if not (path / "config.json").is_file():
-        raise ConfigError(f"the shipped {method!r} drafter is missing at {path}; train it with "
-                          f"`specdecode train-drafter --method {method}` or pass speculative_config.model")
-    return path
-
-
-def check_same_vocabulary(drafter_dir: Path, drafter_vocab_size: int, ctx: ProposerContext) -> None:
-    """A drafter must speak the target's vocabulary: same size, same token -> id map."""
-    from specdecode.errors import TokenizerMismatchError
-    from specdecode.tokenizer import Tokenizer
-
-    if drafter_vocab_size != ctx.target.config.vocab_size:
-        raise TokenizerMismatchError(
-            f"speculative_config.model: the drafter's vocab_size is {drafter_vocab_size}, the target's is "
-            f"{ctx.target.config.vocab_size}; a drafter must use the target's tokenizer")
-    if (drafter_dir / "tokenizer.json").is_file():
-        drafter_vocab = Tokenizer(drafter_dir)._tok.get_vocab()
-        if drafter_vocab != ctx.tokenizer._tok.get_vocab():
-            raise TokenizerMismatchError(
-                "speculative_config.model: the drafter's tokenizer.json maps tokens differently from the "
-                "target's; a drafter must use the target's tokenizer")
+    def num_live_states(self) -> int:
+        return len(self._states)

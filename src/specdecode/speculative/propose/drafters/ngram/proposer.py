@@ -10,7 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register
+from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
+from specdecode.speculative.propose.registry import register
 
 
 def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
@@ -32,11 +33,11 @@ class NgramProposer(ProposerBase):
     draft_cost_prior = 0.02  # a host-side lookup
 
     def __init__(self, ctx: ProposerContext):
+        super().__init__(ctx)
         self.n_min = ctx.config.prompt_lookup_min
         self.n_max = ctx.config.prompt_lookup_max
-        self.device = ctx.device
 
-    def propose(self, seqs, max_tokens, sampling) -> Draft:
+    def propose(self, seqs, max_tokens, sampling, stop=None) -> Draft:
         k = max(max_tokens)
         token_ids = torch.full((len(seqs), k), -1, dtype=torch.long)
         num = torch.zeros(len(seqs), dtype=torch.long)

@@ -1,6 +1,6 @@
 """DSpark: confidence-scheduled block drafting (DeepSeek DeepSpec; METHODS.md 2.8).
 
-Backbone: the DFlash block pass (dflash.py). On top of it:
+Backbone: the DFlash block pass (`drafters/dflash`). On top of it:
 - Markov head, a rank-r bigram bias: logits_j = U_j + W2(W1[x_{j-1}]), drawn left to right, so
   position j sees the token drafted before it (x_0 = the anchor). q_j stays an exact softmax:
   standard rejection sampling applies.
@@ -10,7 +10,7 @@ Backbone: the DFlash block pass (dflash.py). On top of it:
   temperature on the logit, fitted left to right on held-out data so that the cumulative product
   matches the measured survival).
 - Scheduling: the calibrated confidences feed `confidence_threshold` (verify only the confident
-  prefix) and `verify_pruning: "dcut"` (the DSpark / D-Cut batch scheduler in spec/depth.py).
+  prefix) and `verify_pruning: "dcut"` (the DSpark / D-Cut batch scheduler in `speculative/policy`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.spec.drafters.checkpoint import save_checkpoint
-from specdecode.spec.drafters.dflash import DFlashConfig, DFlashDrafter, DFlashProposer, load_block_drafter
-from specdecode.spec.proposer import register
+from specdecode.models.checkpoint import save_checkpoint
+from specdecode.speculative.propose.drafters.dflash.model import DFlashConfig, DFlashDrafter, load_block_drafter
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,25 +74,3 @@ def save_dspark(drafter: DSparkDrafter, out: Path, target_dir: Path, report: dic
 
 def load_dspark(path: Path, vocab_size: int, dtype, device) -> DSparkDrafter:
     return load_block_drafter(path, "DSpark", lambda c: DSparkDrafter(DSparkConfig.from_json(c), vocab_size), dtype, device)
-
-
-@register("dspark")
-class DSparkProposer(DFlashProposer):
-    supports_tree = False  # the Markov head makes each position depend on the token drawn before it
-
-    def _load(self, ctx, path: Path):
-        return load_dspark(path, ctx.target.config.vocab_size, ctx.dtype, ctx.device)
-
-    default_checkpoint = f"{DEFAULT_MODEL_NAME}-dspark"
-
-    def start_block(self, seqs, active: list[int]) -> torch.Tensor:
-        """The previous token of every active row: x_0 = the anchor (last committed token)."""
-        return torch.tensor([seqs[b].last_token_id for b in active], device=self.device)
-
-    def draw_step(self, chain, rows, index, step, hidden, base, previous, sampling) -> None:
-        """Markov-corrected q_j given the token drawn before it, then the calibrated confidence c_j."""
-        prev = previous[index]
-        chosen = chain.add_step(rows, step, self.drafter.markov_logits(base[index, step], prev), sampling)
-        conf = self.drafter.calibrated(self.drafter.confidence_logit(hidden[index, step + 1], prev), step)
-        chain.confidence[torch.tensor(rows, device=self.device), step] = conf
-        previous[index] = torch.tensor(chosen, device=self.device).clamp(min=0)

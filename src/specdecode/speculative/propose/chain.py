@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
-from specdecode.spec.proposer import Draft
+from specdecode.speculative.propose.proposer import Draft
 
 
 class ChainDraft:

@@ -9,21 +9,36 @@ columns are simply overwritten (rollback = a length), as in the target's cache.
 
 from __future__ import annotations
 
+import dataclasses
+
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.engine.ragged import ForwardEntry
+from specdecode.engine.runner import Runner
 from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch
-from specdecode.spec.drafters.chain import ChainDraft
-from specdecode.spec.proposer import (Draft, ProposerBase, ProposerContext, check_same_vocabulary, register,
-                                      resolve_drafter_dir)
+from specdecode.speculative.propose.chain import ChainDraft
+from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
+from specdecode.speculative.propose.registry import register
+from specdecode.speculative.propose.resolve import check_same_vocabulary, resolve_drafter_dir
+
+
+@dataclasses.dataclass(slots=True)
+class DraftModelState:
+    # Tokens 0 .. num_cached-1 of the sequence are in the draft model's cache (it feeds tokens,
+    # so the last committed token is pending too, unlike the feature drafters).
+    num_cached: int = 0
+    proposal_base: int | None = None  # num_tokens when the current proposal started (None: no proposal open)
+    num_fed: int = 0  # drafts of the current proposal fed back into the draft model
 
 
 @register("draft_model")
-class DraftModelProposer(ProposerBase):
+class DraftModelProposer(ProposerBase[DraftModelState]):
     default_checkpoint = f"{DEFAULT_MODEL_NAME}-draft"
+    state_type = DraftModelState
 
     def __init__(self, ctx: ProposerContext):
+        super().__init__(ctx)
         path = resolve_drafter_dir(ctx, self.default_checkpoint)
         self.model = load_model(path, ctx.dtype, ctx.device)
         check_same_vocabulary(path, self.model.config.vocab_size, ctx)
@@ -32,20 +47,17 @@ class DraftModelProposer(ProposerBase):
                               f"is shorter than the target's max_model_len ({ctx.max_len})")
         self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)
         self.p_min = ctx.config.draft_p_min
-        self.device = ctx.device
 
-    def propose(self, seqs, max_tokens, sampling: SamplingBatch) -> Draft:
+    def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         k = max(max_tokens)
-        chain = ChainDraft(len(seqs), k, self.model.config.vocab_size, self.device, self.p_min, self.draft_stop)
+        chain = ChainDraft(len(seqs), k, self.model.config.vocab_size, self.device, self.p_min, stop)
         active = [b for b in range(len(seqs)) if max_tokens[b] > 0]
         # First forward: catch up on committed tokens the drafter has not seen.
         entries = {}
         for b in active:
-            seq = seqs[b]
-            cached = seq.drafter_state.get("draft_cached", 0)
-            seq.drafter_state["draft_base"] = seq.num_tokens
-            seq.drafter_state["draft_fed"] = 0
-            entries[b] = ForwardEntry(seq.slot, seq.token_ids[cached:], start=cached)
+            seq, state = seqs[b], self.state(seqs[b])
+            state.proposal_base, state.num_fed = seq.num_tokens, 0
+            entries[b] = ForwardEntry(seq.slot, seq.token_ids[state.num_cached:], start=state.num_cached)
         for step in range(k):
             if not active:
                 break
@@ -56,16 +68,17 @@ class DraftModelProposer(ProposerBase):
             for b in active:
                 seq = seqs[b]
                 entries[b] = ForwardEntry(seq.slot, [token[b]], start=seq.num_tokens + step)
-                seq.drafter_state["draft_fed"] = step + 1
+                self.state(seq).num_fed = step + 1
         return chain.result()
 
     def pending_tokens(self, seq) -> int:
-        return seq.num_tokens - seq.drafter_state.get("draft_cached", 0)
+        state = self._states.get(seq.request_id)
+        return seq.num_tokens - (state.num_cached if state is not None else 0)
 
     def on_commit(self, seqs, draft, verified, result) -> None:
-        accepted = verified.num_accepted.tolist()
-        for seq, a in zip(seqs, accepted):
-            state = seq.drafter_state
-            if "draft_base" in state:
+        for seq, a in zip(seqs, verified.num_accepted.tolist()):
+            state = self._states.get(seq.request_id)
+            if state is not None and state.proposal_base is not None:
                 # Cached now: everything up to the last committed token, plus the accepted drafts it was fed.
-                state["draft_cached"] = state.pop("draft_base") + min(a, state.pop("draft_fed"))
+                state.num_cached = state.proposal_base + min(a, state.num_fed)
+                state.proposal_base = None

@@ -13,54 +13,32 @@ highest prior score, prod_d 1 / (rank_d + 2), expanded from the top `tree_topk` 
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
 
 import torch
-from torch import nn
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
-from specdecode.errors import ConfigError, ModelLoadError
-from specdecode.spec.drafters.checkpoint import read_checkpoint, save_checkpoint
-from specdecode.spec.proposer import Draft, ProposerBase, ProposerContext, register, resolve_drafter_dir
-from specdecode.spec.tree import StaticTree
+from specdecode.errors import ConfigError
+from specdecode.speculative.propose.drafters.medusa.model import load_heads
+from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
+from specdecode.speculative.propose.registry import register
+from specdecode.speculative.propose.resolve import resolve_drafter_dir
+from specdecode.speculative.propose.static_tree import StaticTree
 
 
-class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, num_heads: int):
-        super().__init__()
-        self.num_heads = num_heads
-        self.blocks = nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_heads))
-        for block in self.blocks:  # residual blocks start as the identity
-            nn.init.zeros_(block.weight)
-            nn.init.zeros_(block.bias)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [.., d] -> per-head states [.., K, d] (feed to the target's LM head)."""
-        return torch.stack([hidden + nn.functional.silu(block(hidden)) for block in self.blocks], dim=-2)
-
-
-def save_heads(heads: MedusaHeads, out: Path, target_dir: Path, report: dict | None = None) -> None:
-    config = {"architectures": ["SpecdecodeMedusaHeads"], "medusa_num_heads": heads.num_heads,
-              "hidden_size": heads.blocks[0].in_features}
-    save_checkpoint(heads.state_dict(), config, out, target_dir, report)
-
-
-def load_heads(path: Path, dtype, device) -> MedusaHeads:
-    config, state = read_checkpoint(path, "Medusa")
-    try:
-        heads = MedusaHeads(config["hidden_size"], config["medusa_num_heads"])
-        heads.load_state_dict(state)
-    except (KeyError, RuntimeError) as e:
-        raise ModelLoadError(f"{path} is not a Medusa checkpoint: {e}") from None
-    return heads.to(device=device, dtype=dtype).eval().requires_grad_(False)
+@dataclasses.dataclass(slots=True)
+class MedusaState:
+    hidden: torch.Tensor | None = None  # [d] final-normed hidden state at the last committed position
 
 
 @register("medusa")
-class MedusaProposer(ProposerBase):
+class MedusaProposer(ProposerBase[MedusaState]):
     draft_cost_prior = 0.1  # K small heads on the target's last hidden state
     supports_tree = True
+    state_type = MedusaState
 
     def __init__(self, ctx: ProposerContext):
+        super().__init__(ctx)
         path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-medusa")
         self.heads = load_heads(path, ctx.dtype, ctx.device)
         depth = ctx.config.num_speculative_tokens
@@ -70,7 +48,6 @@ class MedusaProposer(ProposerBase):
         if self.heads.blocks[0].in_features != ctx.target.config.hidden_size:
             raise ConfigError("speculative_config.model: the Medusa heads' hidden size does not match the target's")
         self.target = ctx.target
-        self.device = ctx.device
         self.tree = StaticTree(depth, ctx.config.tree_topk, ctx.config.tree_num_nodes, ctx.device)
         self.max_tree_depth = self.tree.max_depth
         self.is_chain = ctx.config.tree_topk == 1
@@ -78,21 +55,18 @@ class MedusaProposer(ProposerBase):
 
     def on_prefill(self, seqs, result) -> None:
         for b, seq in enumerate(seqs):
-            seq.drafter_state["hidden"] = result.hidden[b, len(seq.prompt_token_ids) - 1]
+            self._states[seq.request_id] = MedusaState(result.hidden[b, len(seq.prompt_token_ids) - 1])
 
     def on_commit(self, seqs, draft, verified, result) -> None:
         accepted = verified.num_accepted.tolist()
         path = verified.path.tolist() if verified.path is not None else None
         for b, seq in enumerate(seqs):
             row = accepted[b] if path is None else (0 if accepted[b] == 0 else 1 + path[b][accepted[b] - 1])
-            seq.drafter_state["hidden"] = result.hidden[b, row]  # the last committed position's state
-
-    def release(self, seq) -> None:
-        seq.drafter_state.pop("hidden", None)
+            self.state(seq).hidden = result.hidden[b, row]  # the last committed position's state
 
     @torch.inference_mode()
-    def propose(self, seqs, max_tokens, sampling) -> Draft:
-        hidden = torch.stack([s.drafter_state["hidden"] for s in seqs])  # [B, d]
+    def propose(self, seqs, max_tokens, sampling, stop=None) -> Draft:
+        hidden = torch.stack([self.state(s).hidden for s in seqs])  # [B, d]
         logits = self.target.compute_logits(self.heads(hidden))  # [B, K, V]
         tokens = self.tree.tokens(logits)  # [B, nodes]; a chain: every head's top token
         if not self.is_chain:

@@ -1,0 +1,1 @@
+"""Speculative decoding in three parts: propose (drafters), verify (lossless rules), policy (depth)."""

@@ -1,0 +1,211 @@
+"""Draft-depth and verify-depth policies.
+
+Before drafting (`draft_length_schedule`):
+- constant: k every step;
+- heuristic: Hugging Face's `num_assistant_tokens_schedule="heuristic"`: +2 after a step
+  whose drafts were all accepted, else -1, never below 1 (and never above k here);
+- auto: the k (0..k) that maximises expected committed tokens per second for the current
+  batch size, from the profiled cost model and the online acceptance rate, checked against
+  measurement (`MeasuredGuard`: where steps that drafted have delivered fewer tokens per
+  second than steps that did not, at this batch size, drafting stops).
+After drafting:
+- draft_n_min (llama.cpp): a draft shorter than n_min is dropped and the step decodes normally;
+- verify_pruning "dcut": D-Cut's batch-global cut of low-survival positions (`dcut_lengths`).
+draft_p_min acts inside the drafting loop of the proposers that have probabilities (see
+`speculative/propose/chain.py`).
+
+The controller's decisions for one step travel in a `StepPlan` (made by `plan`, read by the
+proposer's stop rule, `verify_lengths` and `update`), so no call depends on another having
+left a flag behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specdecode.engine.sequence import Sequence
+from specdecode.speculative.config import SpeculativeConfig
+from specdecode.speculative.policy.cost_model import LiveCost
+from specdecode.speculative.policy.estimators import AcceptanceEstimator, DraftCost
+from specdecode.speculative.policy.guard import MeasuredGuard
+from specdecode.speculative.policy.rules import auto_k, dcut_lengths
+from specdecode.speculative.propose.proposer import DraftStop
+
+
+@dataclasses.dataclass(slots=True)
+class StepPlan:
+    """One step's depth decisions, made before drafting and passed along."""
+
+    max_tokens: list[int]  # per sequence: the most draft tokens it may use (0 = decode normally)
+    # The drafter consumes a catch-up (committed tokens beyond a step's worth) before drafting:
+    # this step's drafting time is a one-time cost, not what a drafting step costs.
+    catching_up: bool = False
+    prune_while_drafting: bool = False  # D-Cut stops unpromising rows while drafting (not on a guard probe)
+
+    @property
+    def drafts(self) -> bool:
+        return max(self.max_tokens, default=0) > 0
+
+
+
+
+class DepthController:
+    """Decides each step how far every sequence drafts (before proposing) and how much of
+    each draft is verified (after proposing), and learns from verification results."""
+
+    def __init__(self, config: SpeculativeConfig, cost_model_loader=None, draft_cost_prior: float = 0.5):
+        self.k = config.num_speculative_tokens
+        self.schedule = config.draft_length_schedule
+        self.n_min = config.draft_n_min
+        self.pruning = config.verify_pruning
+        self.confidence_threshold = config.confidence_threshold
+        # Optimistic until measured: with a pessimistic prior, auto-k at batch 1 would never draft,
+        # so it would never observe the acceptance that makes drafting pay (measured: 0 drafts).
+        self.estimator = AcceptanceEstimator(self.k, prior=0.8)
+        # Drafting seconds, modelled in units of the target's one-token step at the same batch
+        # size: drafting, like the target, costs more per step as the batch grows, and a ratio
+        # learned at one batch size carries to another. Before any measurement the proposer's
+        # prior holds: assuming drafting is free would make the first step at a large batch
+        # draft (and catch the drafter up) for nothing.
+        self.draft_cost = DraftCost(draft_cost_prior)
+        # Only D-Cut recalibrates drafter confidences against acceptance; otherwise the speculator
+        # skips copying them to the host every step.
+        self.tracks_confidence = self.pruning == "dcut"
+        self._cost_model_loader = cost_model_loader
+        self._cost = None
+        self.guard = MeasuredGuard(self.k)
+        self.schedule_k: dict[str, int] = {}  # heuristic schedule: request id -> its current k
+
+    @property
+    def cost(self) -> LiveCost:
+        if self._cost is None:
+            self._cost = LiveCost(self._cost_model_loader())
+        return self._cost
+
+    @property
+    def needs_cost_model(self) -> bool:
+        return self.schedule == "auto" or self.pruning == "dcut"
+
+    def plan(self, seqs: list[Sequence], pending: list[int]) -> StepPlan:
+        """This step's draft limits per sequence (also bounded by its remaining room: a step
+        commits accepted + 1 tokens, so at most room - 1 drafts are useful). `pending[b]`: the
+        committed tokens the drafter must consume before drafting for sequence b."""
+        catching_up = prune = False
+        if self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
+            remaining = sum(seq.room for seq in seqs) / len(seqs)
+            catch_up = self.catch_up_time(pending)
+            k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time(len(seqs)), catch_up,
+                       remaining, draft_fixed=self.draft_seconds(len(seqs), 0))
+            chosen = self.guard.choose(len(seqs), k)
+            catching_up = chosen > 0 and catch_up > 0
+            # A guard probe (deeper than chosen) measures acceptance: drafting must not stop it early.
+            prune = self.pruning == "dcut" and chosen <= k
+            per_seq = [chosen] * len(seqs)
+        elif self.schedule == "heuristic":
+            per_seq = [self.schedule_k.get(seq.request_id, self.k) for seq in seqs]
+        else:
+            per_seq = [self.k] * len(seqs)
+        return StepPlan([max(0, min(k, seq.room - 1)) for k, seq in zip(per_seq, seqs)], catching_up, prune)
+
+    def draft_stop(self, plan: StepPlan) -> DraftStop | None:
+        """The stop rule chain drafters apply after each drafter step this step (None: draft to the limit)."""
+        return self.keep_drafting if plan.prune_while_drafting else None
+
+    def release(self, seq: Sequence) -> None:
+        self.schedule_k.pop(seq.request_id, None)
+
+    def verify_lengths(self, seqs: list[Sequence], num_tokens: list[int], confidence: list[list[float]] | None) -> list[int]:
+        """How many of each sequence's drafts go to verification (n_min, then D-Cut). Drafters
+        without confidences (n-gram) are scored by each request's measured acceptance."""
+        lengths = [0 if n < self.n_min else n for n in num_tokens]
+        if self.confidence_threshold > 0 and max(lengths, default=0) > 0:
+            # The confident prefix: cumulative confidence (prefix-only, so lossless) above the threshold.
+            conf = confidence if confidence is not None else self.estimator.confidence([s.stats for s in seqs])
+            for q, n in enumerate(lengths):
+                survival, keep = 1.0, 0
+                for i in range(n):
+                    survival *= conf[q][i]
+                    if survival < self.confidence_threshold:
+                        break
+                    keep += 1
+                lengths[q] = keep
+        if self.pruning == "dcut" and max(lengths, default=0) > 0:
+            conf = (self.estimator.calibrate(confidence) if confidence is not None
+                    else self.estimator.confidence([s.stats for s in seqs]))
+            lengths = dcut_lengths(conf, lengths, self.cost, self.draft_seconds(len(lengths), max(num_tokens)))
+        return lengths
+
+    def keep_drafting(self, step: int, tops: list[list[float]], drafting: list[int]) -> list[int]:
+        """D-Cut's drafting half: after position `step` was drafted, which rows of `drafting`
+        draft further. D-Cut prunes what verification would waste; drafting positions it would
+        prune wastes drafter steps (measured at batch 4 with the draft model: a fifth of the
+        drafted tokens, while drafting was half of the step time). So each row's survival so
+        far (its calibrated confidences' product, as D-Cut scores it) prices its next positions
+        at the measured acceptance rates, and the m most confident rows draft j more steps where
+        that raises the step's expected committed tokens per second over stopping now
+        (looking j steps ahead: one step alone undervalues depth). `tops[b]`: the drafter's
+        confidences of row b's kept drafts so far, all depending on tokens before `step` only."""
+        B = len(tops)
+        scale = self.estimator.scale()
+        tau, width, survival = float(B), B, {}
+        for b, row in enumerate(tops):
+            a = 1.0
+            for i, top in enumerate(row):
+                a *= min(1.0, top * scale[i])
+                tau += a
+            width += len(row)
+            survival[b] = a
+        fixed = self.draft_seconds(B, step + 1)  # drafting so far
+        best_rate, best_m = tau / (fixed + self.cost.step_time(B, width)), 0
+        gains, survive, total = [], 1.0, 0.0  # expected accepted tokens per unit survival after j more positions
+        for rate in self.estimator.rate[step + 1:]:
+            survive *= rate
+            total += survive
+            gains.append(total)
+        order = sorted(drafting, key=lambda b: -survival[b])
+        sizes = sorted({min(2 ** e, len(order)) for e in range(len(order).bit_length() + 1)})  # m: 1, 2, 4, ..., all
+        for m in sizes:
+            head = sum(survival[b] for b in order[:m])
+            draft_step = self.draft_step_time(m)
+            for j, gain in enumerate(gains, 1):
+                rate = (tau + head * gain) / (fixed + j * draft_step + self.cost.step_time(B, width + j * m))
+                if rate > best_rate:
+                    best_rate, best_m = rate, m
+        return sorted(order[:best_m])
+
+    def catch_up_time(self, pending: list[int]) -> float:
+        """Expected seconds the drafter spends, before its first draft, on committed tokens it
+        has not seen beyond a step's worth (the prompt the first time, or every token decoded
+        while drafting was off). A step's worth (<= k + 1 per sequence) is part of the measured
+        draft step already."""
+        extra = sum(max(0, n - (self.k + 1)) for n in pending)
+        if extra == 0:
+            return 0.0
+        B = len(pending)
+        return self.draft_cost.per_step * max(0.0, self.cost.step_time(B, B + extra) - self.cost.step_time(B, B))
+
+    def draft_step_time(self, batch_size: int) -> float:
+        """Expected seconds of one more drafting step for `batch_size` sequences."""
+        return self.draft_cost.per_step * self.cost.step_time(batch_size, batch_size)
+
+    def draft_seconds(self, batch_size: int, steps: int) -> float:
+        """Expected seconds of a proposal `steps` deep (steps=0: its fixed part alone)."""
+        return (self.draft_cost.fixed + self.draft_cost.per_step * steps) * self.cost.step_time(batch_size, batch_size)
+
+    def update(self, plan: StepPlan, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int],
+               draft_seconds: float, num_draft_steps: int, confidence: list[list[float]] | None = None,
+               step_seconds: float | None = None) -> None:
+        self.estimator.update(num_draft, num_accepted, confidence)
+        if step_seconds and not plan.catching_up:  # a catch-up is a one-time cost, priced by auto_k
+            self.guard.observe(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds)
+        if num_draft_steps and self._cost is not None and not plan.catching_up:
+            self.draft_cost.observe(num_draft_steps, draft_seconds / self._cost.step_time(len(seqs), len(seqs)))
+        if step_seconds is not None and self._cost is not None:
+            self._cost.observe(len(seqs), len(seqs) + sum(num_draft), step_seconds - draft_seconds)
+        if self.schedule != "heuristic":
+            return
+        for seq, n, a in zip(seqs, num_draft, num_accepted):
+            if n == 0:
+                continue
+            k = self.schedule_k.get(seq.request_id, self.k)
+            self.schedule_k[seq.request_id] = min(self.k, k + 2) if a == n else max(1, k - 1)

@@ -1,0 +1,1 @@
+"""DFlash block-diffusion drafter."""

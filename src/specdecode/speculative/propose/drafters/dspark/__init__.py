@@ -1,0 +1,1 @@
+"""DSpark: DFlash backbone, Markov head, calibrated confidences."""

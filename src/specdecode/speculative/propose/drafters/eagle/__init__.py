@@ -1,0 +1,1 @@
+"""Feature-level drafters: EAGLE, EAGLE-3 and MTP."""

@@ -1,0 +1,143 @@
+"""The EAGLE, EAGLE-3 and MTP proposers (one class, a variant each): catch up on the target's
+features of newly committed positions, then draft a chain or an EAGLE-2 dynamic tree."""
+
+from __future__ import annotations
+
+import torch
+
+from specdecode.defaults import DEFAULT_MODEL_NAME
+from specdecode.engine.ragged import ForwardEntry, build_attention, merge_rows
+from specdecode.errors import ConfigError
+from specdecode.models.llama import KVCache
+from specdecode.sampling import SamplingBatch
+from specdecode.speculative.propose.chain import ChainDraft
+from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
+from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
+from specdecode.speculative.propose.features import TargetFeatureBuffer
+from specdecode.speculative.propose.proposer import Draft, ProposerContext
+from specdecode.speculative.propose.registry import register
+from specdecode.speculative.propose.resolve import resolve_drafter_dir
+
+
+class EagleProposer(TargetFeatureBuffer):
+    """Chains (ChainDraft) or EAGLE-2 dynamic trees (`propose_dynamic_tree`) from a feature drafter."""
+
+    draft_cost_prior = 0.3  # one decoder layer + an LM head per step
+    variant: str  # the drafter variant this method serves (EagleDrafter.variant)
+    supports_tree = True  # EAGLE-2 dynamic trees when tree_topk > 1
+
+    def __init__(self, ctx: ProposerContext):
+        super().__init__(ctx)
+        path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-{self.variant}")
+        self.drafter = load_drafter(path, ctx.dtype, ctx.device)
+        if self.drafter.cfg.variant != self.variant:
+            raise ConfigError(f"speculative_config.model {str(path)!r} is a {self.drafter.cfg.variant!r} drafter, "
+                              f"not {self.variant!r}")
+        if self.drafter.cfg.layer.hidden_size != ctx.target.config.hidden_size:
+            raise ConfigError("speculative_config.model: the drafter's hidden size does not match the target's")
+        self.target = ctx.target
+        self.grouping = ctx.grouping
+        self.vocab_size = ctx.target.config.vocab_size
+        self.hidden_taps = self.drafter.feature_taps(ctx.target.config, self.drafter.cfg.aux_layers)
+        self.topk, self.num_nodes = ctx.config.tree_topk, ctx.config.tree_num_nodes
+        self.p_min = ctx.config.draft_p_min
+        self.depth = ctx.config.num_speculative_tokens
+        self.max_tree_depth = self.depth if self.topk > 1 else 0
+        # Drafting writes past the committed columns: k chain steps, or topk nodes per tree level.
+        extra = self.depth * max(1, self.topk) + 2
+        self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + extra, ctx.dtype, ctx.device)
+
+    def target_features(self, result) -> torch.Tensor:
+        return self.drafter.raw_features(result.hidden, result.taps, self.drafter.cfg.aux_layers)
+
+    # ---- drafting -------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def _forward(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
+        """Drafter forward over ragged entries; features[b] [T_b, d]. Returns o [B, T, d] (padded).
+        A catch-up next to one-token steps runs as its own forward (see `LengthGrouping`)."""
+        return self.grouping.run(
+            entries, lambda group: self._forward_padded([entries[i] for i in group], [features[i] for i in group]),
+            merge_rows)
+
+    def _forward_padded(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
+        input_ids, positions, batch = build_attention(entries, self.kv_cache.scratch_index, None, self.device)
+        B, T = input_ids.shape
+        feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
+        for b, f in enumerate(features):
+            feats[b, : f.shape[0]] = f
+        return self.drafter(self.target.model.embed_tokens(input_ids), feats, positions, batch,
+                            self.kv_cache.k[0], self.kv_cache.v[0])
+
+    def _forward_last(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
+        """o at each entry's last token [B, d]."""
+        out = self._forward(entries, features)
+        last = torch.tensor([len(e.token_ids) - 1 for e in entries], device=self.device)
+        return out[torch.arange(len(entries), device=self.device), last]
+
+    def _catch_up(self, seqs, active: list[int]) -> dict[int, tuple[ForwardEntry, torch.Tensor]]:
+        """Entries feeding every committed position the drafter has not consumed yet.
+        Position t takes (token t+1, feature t); afterwards positions .. N-2 are cached."""
+        first = {}
+        for b in active:
+            seq = seqs[b]
+            cached, pending = self.take_pending(seq)  # positions cached .. N-2
+            first[b] = (ForwardEntry(seq.slot, seq.token_ids[cached + 1:], start=cached), self.drafter.features(pending))
+        return first
+
+    def vocab_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """o [.., d] -> logits over the target vocabulary (eagle3: -inf outside the draft vocabulary)."""
+        logits = self.drafter.logits(out, self.target)
+        d2t = self.drafter.draft_to_target
+        if d2t is not None:
+            full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), device=logits.device)
+            logits = full.index_copy(logits.dim() - 1, d2t, logits)
+        return logits
+
+    # ---- EAGLE-2 trees (`propose_dynamic_tree` calls these) --------------------------------------
+
+    def tree_root(self, seqs, active: list[int]) -> torch.Tensor:
+        first = self._catch_up(seqs, active)
+        return self._forward_last([first[b][0] for b in active], [first[b][1] for b in active])  # [A, d]
+
+    def tree_level(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
+        return self._forward(entries, features)[:, : features[0].shape[0]]  # [A, K, d]
+
+    @torch.inference_mode()
+    def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
+        if self.topk > 1:
+            return propose_dynamic_tree(self, seqs, max_tokens, self.topk, self.depth, self.num_nodes, self.device)
+        B, k = len(seqs), max(max_tokens)
+        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min, stop)
+        active = [b for b in range(B) if max_tokens[b] > 0]
+        first = self._catch_up(seqs, active)
+        entries = {b: e for b, (e, _) in first.items()}
+        feats = {b: f for b, (_, f) in first.items()}
+        for step in range(k):
+            if not active:
+                break
+            out = self._forward_last([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
+            chosen = chain.add_step(active, step, self.vocab_logits(out), sampling)
+            row = {b: i for i, b in enumerate(active)}
+            active = chain.continuing(step, active, chosen, max_tokens)
+            for b in active:
+                seq, i = seqs[b], row[b]
+                # Next drafter position N-1+step takes (the token just drafted, the drafter's own output).
+                entries[b] = ForwardEntry(seq.slot, [chosen[i]], start=seq.num_tokens - 1 + step)
+                feats[b] = out[i: i + 1]
+        return chain.result()
+
+
+@register("eagle")
+class EagleOneProposer(EagleProposer):
+    variant = "eagle"
+
+
+@register("eagle3")
+class EagleThreeProposer(EagleProposer):
+    variant = "eagle3"
+
+
+@register("mtp")
+class MtpProposer(EagleProposer):
+    variant = "mtp"

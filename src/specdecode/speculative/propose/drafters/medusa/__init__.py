@@ -1,0 +1,1 @@
+"""Medusa heads on the target's last hidden state."""

@@ -1,0 +1,1 @@
+"""n-gram prompt lookup (model-free)."""

@@ -1,0 +1,62 @@
+"""Per-request buffer of the target's features that a drafter has not consumed yet.
+
+Drafters that read the target's hidden states (EAGLE family, DFlash, DSpark) get them from
+the target forwards the engine runs anyway: the prefill (every prompt position) and each
+verify (the last committed token and the accepted drafts, or the accepted tree path). The
+features wait in the request's `FeatureState` as a list of [T_i, *] chunks, concatenated
+once when the next proposal consumes them: a step that does not draft pays one slice per
+sequence, not a copy of everything pending.
+
+Drafter position t takes (token t+1, feature t), so of a sequence of N tokens the positions
+0 .. N-2 can be consumed: `num_cached` counts those held in the drafter's own cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from specdecode.speculative.propose.proposer import ProposerBase
+
+
+@dataclasses.dataclass(slots=True)
+class FeatureState:
+    num_cached: int = 0  # drafter positions 0 .. num_cached-1 are in the drafter's cache
+    features: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [T_i, *] raw features of later positions
+
+
+class TargetFeatureBuffer(ProposerBase[FeatureState]):
+    state_type = FeatureState
+
+    def target_features(self, result) -> torch.Tensor:
+        """[B, T, *] the drafter's raw input per position of a target forward."""
+        raise NotImplementedError
+
+    def on_prefill(self, seqs, result) -> None:
+        raw = self.target_features(result)
+        for b, seq in enumerate(seqs):
+            self._states[seq.request_id] = FeatureState(0, [raw[b, : len(seq.prompt_token_ids)]])
+
+    def on_commit(self, seqs, draft, verified, result) -> None:
+        raw = self.target_features(result)
+        accepted = verified.num_accepted.tolist()
+        path = verified.path.tolist() if verified.path is not None else None
+        for b, seq in enumerate(seqs):
+            # The last committed token and the accepted drafts (tree: the nodes along the path).
+            if path is None:
+                new = raw[b, : 1 + accepted[b]]  # a view: chains accept a prefix
+            else:
+                new = raw[b, [0] + [1 + i for i in path[b][: accepted[b]]]]
+            self.state(seq).features.append(new)
+
+    def pending_tokens(self, seq) -> int:
+        state = self._states.get(seq.request_id)
+        return seq.num_tokens - 1 - (state.num_cached if state is not None else 0)
+
+    def take_pending(self, seq) -> tuple[int, torch.Tensor]:
+        """(first position not consumed, its features .. position N-2); marks them consumed."""
+        state = self.state(seq)
+        first, chunks = state.num_cached, state.features
+        state.features, state.num_cached = [], seq.num_tokens - 1
+        return first, chunks[0] if len(chunks) == 1 else torch.cat(chunks)

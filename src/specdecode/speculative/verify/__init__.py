@@ -1,0 +1,1 @@
+"""Lossless verification: chain rule, tree walk, KV compaction. Pure functions of drafts and logits."""
