@@ -1,5 +1,5 @@
-"""Drafter checkpoints: one folder per drafter, HF-style (config.json + bf16 safetensors +
-the target's tokenizer files + training_report.json)."""
+"""Trained checkpoints, target or drafter: one folder each, HF-style (config.json + bf16
+safetensors + the tokenizer files + training_report.json). `save_checkpoint` is the one writer."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ from specdecode.errors import ModelLoadError
 
 
 def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out: Path, target_dir: Path,
-                    report: dict | None = None) -> None:
+                    report: dict | None = None, extra_json: dict[str, dict] | None = None) -> None:
+    """Write `out`: model.safetensors (floating tensors as bf16), config.json (with the
+    method / target / command provenance when `report` names a method), the tokenizer files
+    (and generation_config.json) found in `target_dir`, each `extra_json` file (name -> JSON
+    object, written after the copies, e.g. a target's own generation_config.json) and
+    training_report.json."""
     from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
@@ -28,6 +33,8 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out: Path, tar
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (target_dir / name).is_file():
             (out / name).write_bytes((target_dir / name).read_bytes())
+    for name, data in (extra_json or {}).items():
+        (out / name).write_text(json.dumps(data, indent=2) + "\n")
     if report is not None:
         (out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
 
