@@ -1,13 +1,20 @@
-"""Pieces every training job shares: schedule, data windows, corpus tokens, checkpoints."""
+"""Pieces every training job shares: config fields, schedule, data windows, corpus tokens, checkpoints."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+
+def option(default=dataclasses.MISSING, help: str = "", **extra):
+    """A training-config field documented by its metadata: `help` (and `choices` where the
+    values are a closed set) become the `--flag`'s help in the CLI (cli.py)."""
+    return dataclasses.field(default=default, metadata={"help": help, **extra})
 
 
 def cosine_lr(step: int, max_steps: int, warmup_steps: int, peak: float, min_ratio: float) -> float:
@@ -53,10 +60,15 @@ def tokenize_corpus(tokenizer_json: Path, cache: Path) -> tuple[np.ndarray, np.n
 
 
 class Checkpointer:
-    """Atomic save / load of {model, optimizer, data RNG, step, elapsed} for --resume."""
+    """Atomic save / load of {model, optimizer, data RNG, global torch RNG, step, elapsed} for --resume.
 
-    def __init__(self, path: Path):
+    The global torch RNG is saved too: DFlash / DSpark draw their training anchors from it, so a
+    resumed run draws the same anchors as an uninterrupted one. (Checkpoints written before it
+    was saved resume without it.) RNG states always load onto the CPU, whatever the device."""
+
+    def __init__(self, path: Path, device: torch.device | None = None):
         self.path = path
+        self.device = device  # a CUDA training device also has its CUDA RNG state saved
         self.started = time.time()
         self.last_save = self.started
         self.elapsed_before = 0.0
@@ -70,16 +82,22 @@ class Checkpointer:
         state = torch.load(self.path, map_location=device, weights_only=True)
         model.load_state_dict(state["model"], strict=False)
         optimizer.load_state_dict(state["optimizer"])
-        data_gen.set_state(state["data_rng"])
+        data_gen.set_state(state["data_rng"].cpu())
+        if "torch_rng" in state:
+            torch.set_rng_state(state["torch_rng"].cpu())
+        if "cuda_rng" in state and torch.device(device).type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu(), device)
         self.elapsed_before = float(state["elapsed"])
         return int(state["step"])
 
     def save(self, model, optimizer, data_gen: torch.Generator, step: int) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
-        trainable = {k: v for k, v in model.state_dict().items()}
-        torch.save({"model": trainable, "optimizer": optimizer.state_dict(), "data_rng": data_gen.get_state(),
-                    "step": step, "elapsed": self.elapsed()}, tmp)
+        state = {"model": dict(model.state_dict()), "optimizer": optimizer.state_dict(), "data_rng": data_gen.get_state(),
+                 "torch_rng": torch.get_rng_state(), "step": step, "elapsed": self.elapsed()}
+        if self.device is not None and self.device.type == "cuda":
+            state["cuda_rng"] = torch.cuda.get_rng_state(self.device)
+        torch.save(state, tmp)
         tmp.replace(self.path)  # a crash mid-save never leaves a broken checkpoint
         self.last_save = time.time()
 

@@ -2,30 +2,31 @@
 
 Reads the stdlib corpus (train/corpus.py), trains a byte-level BPE tokenizer, tokenizes
 once into a cached uint16 array, then trains a Llama-architecture model on random windows
-with AdamW, linear warm-up and a cosine schedule, bf16 autocast. A checkpoint
-(model + optimizer + data RNG state) is written every `checkpoint_minutes`; `--resume`
-continues from it bit-for-bit in schedule and data order. At the end the model is exported
-in HF layout (bf16 safetensors) with validation loss and perplexity.
+with AdamW, linear warm-up and a cosine schedule, bf16 autocast (the loop: train/loop.py). A
+checkpoint (model + optimizer + RNG states) is written every `checkpoint_minutes`; `--resume`
+continues from it bit-for-bit in schedule and data order (tests/test_train_target.py compares
+an interrupted and resumed run with an uninterrupted one). At the end the model is exported in
+HF layout (bf16 safetensors, models/checkpoint.py) with validation loss and perplexity.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
+from specdecode.device import resolve_device
+from specdecode.models.checkpoint import save_checkpoint
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import LlamaForCausalLM
 from specdecode.train import corpus
-from specdecode.train.common import Checkpointer, cosine_lr, sample_windows, tokenize_corpus
+from specdecode.train.common import Checkpointer, option, tokenize_corpus
+from specdecode.train.loop import run_loop
 from specdecode.train.tokenizer_train import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
@@ -33,27 +34,33 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(slots=True)
 class PretrainConfig:
-    out_dir: Path
-    work_dir: Path  # checkpoints and the token cache (not committed)
-    vocab_size: int = 8192  # small vocab: cheap LM head, still ~3.6 bytes per token on code
-    hidden_size: int = 512
-    intermediate_size: int = 1408  # ~2.75 d, rounded to a multiple of 64 (SwiGLU)
-    num_layers: int = 8
-    num_heads: int = 8
-    num_kv_heads: int = 4  # GQA halves the KV cache at no visible quality cost
-    context: int = 1024
-    batch_size: int = 8  # windows per step
-    max_steps: int = 2000
-    lr: float = 1.5e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 100
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    checkpoint_minutes: float = 5.0
-    eval_batches: int = 16
-    dtype: str = "bfloat16"  # autocast dtype
-    device: str = "auto"
+    """Defaults are those that built the shipped models/stdlib-code-22m (its README and
+    training_report.json): 6 layers, 1200 steps of 8 x 1024 tokens, peak lr 1e-3, 50 warm-up steps."""
+
+    out_dir: Path = option(Path("models/stdlib-code-22m"), "export directory (HF layout)")
+    work_dir: Path = option(Path("runs/train-target"), "checkpoints, tokenizer and token cache (not committed)")
+    # small vocab: cheap LM head, still ~3.6 bytes per token on code
+    vocab_size: int = option(8192, "BPE vocabulary size (tokenizer trained on the train split)")
+    hidden_size: int = option(512, "model width")
+    # ~2.75 d, rounded to a multiple of 64 (SwiGLU)
+    intermediate_size: int = option(1408, "SwiGLU MLP width")
+    num_layers: int = option(6, "decoder layers")
+    num_heads: int = option(8, "attention heads (head_dim = hidden-size / heads)")
+    # GQA halves the KV cache at no visible quality cost
+    num_kv_heads: int = option(4, "key / value heads (grouped-query attention)")
+    context: int = option(1024, "training window = model context length")
+    batch_size: int = option(8, "windows of CONTEXT tokens per step")
+    max_steps: int = option(1200, "optimizer steps (the cosine schedule spans them)")
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = option(50, "linear warm-up steps")
+    weight_decay: float = option(0.1, "AdamW weight decay of matrices (norms and biases: none)")
+    grad_clip: float = option(1.0, "gradient-norm clipping threshold")
+    seed: int = option(0, "seed of the initialisation and of the data order")
+    checkpoint_minutes: float = option(5.0, "minutes between checkpoints in WORK_DIR (one more at the end)")
+    eval_batches: int = option(16, "validation batches of BATCH_SIZE windows for the final loss")
+    dtype: str = option("bfloat16", "autocast dtype", choices=("bfloat16", "float32"))
+    device: str = option("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
     def __post_init__(self) -> None:
         self.out_dir, self.work_dir = Path(self.out_dir), Path(self.work_dir)
@@ -78,12 +85,6 @@ class PretrainConfig:
             bos_token_id=None,
             eos_token_id=eos_id,
         )
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
 
 
 def prepare_data(cfg: PretrainConfig):
@@ -140,35 +141,14 @@ def train(cfg: PretrainConfig, resume: bool = False) -> dict:
         lr=cfg.lr, betas=(0.9, 0.95), fused=device.type == "cuda",
     )
     data_gen = torch.Generator().manual_seed(cfg.seed)
-    ckpt = Checkpointer(cfg.work_dir / "checkpoint.pt")
+    ckpt = Checkpointer(cfg.work_dir / "checkpoint.pt", device)
     step = ckpt.load(model, opt, data_gen, device) if resume else 0
     if step:
         log.info("resumed from step %d", step)
     tokens_per_step = cfg.batch_size * cfg.context
-    history = []
-    bar = tqdm(total=cfg.max_steps, initial=step, desc="train-target", unit="step", dynamic_ncols=True)
-    model.train()
-    while step < cfg.max_steps:
-        t0 = time.time()
-        lr = cosine_lr(step, cfg.max_steps, cfg.warmup_steps, cfg.lr, cfg.min_lr_ratio)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        window = sample_windows(train_tokens, cfg.batch_size, cfg.context + 1, data_gen).to(device)
-        with torch.autocast(device.type, dtype=autocast_dtype):
-            loss = lm_loss(model, window)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        step += 1
-        loss_value = loss.item()
-        history.append((step, loss_value))
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss_value:.3f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_step / (time.time() - t0):.0f}")
-        if ckpt.due(cfg.checkpoint_minutes):
-            ckpt.save(model, opt, data_gen, step)
-    bar.close()
-    ckpt.save(model, opt, data_gen, step)
+    step, losses = run_loop(cfg, model, opt, lambda window: lm_loss(model, window), train_tokens, cfg.context + 1,
+                            checkpointer=ckpt, data_gen=data_gen, step=step, device=device,
+                            autocast_dtype=autocast_dtype, desc="train-target")
     wall = ckpt.elapsed()
     val_loss = evaluate(model, val_tokens, cfg, device, autocast_dtype)
     report = {
@@ -180,7 +160,7 @@ def train(cfg: PretrainConfig, resume: bool = False) -> dict:
         "val_perplexity": math.exp(val_loss),
         "wall_seconds": wall,
         "parameters": model.num_parameters(),
-        "final_train_loss": float(np.mean([l for _, l in history[-50:]])) if history else None,
+        "final_train_loss": float(np.mean(losses[-50:])) if losses else None,
     }
     export_checkpoint(model, mcfg, cfg.work_dir / "tokenizer", cfg.out_dir, report)
     return report
@@ -197,19 +177,12 @@ def _init_weights(model: LlamaForCausalLM, mcfg: ModelConfig) -> None:
 
 
 def export_checkpoint(model: LlamaForCausalLM, mcfg: ModelConfig, tokenizer_dir: Path, out_dir: Path, report: dict) -> None:
-    """HF layout: config.json, model.safetensors (bf16), tokenizer files, generation_config.json."""
-    from safetensors.torch import save_file
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()
-             if not (mcfg.tie_word_embeddings and k == "lm_head.weight")}
-    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    (out_dir / "config.json").write_text(json.dumps(mcfg.to_hf_dict(), indent=2) + "\n")
+    """HF layout: config.json, model.safetensors (bf16; a tied LM head is not stored), tokenizer
+    files, generation_config.json, training_report.json (models/checkpoint.py writes them)."""
     from tokenizers import Tokenizer
 
+    state = {k: v for k, v in model.state_dict().items() if not (mcfg.tie_word_embeddings and k == "lm_head.weight")}
     pad_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(PAD_TOKEN)
-    gen = {"eos_token_id": mcfg.eos_token_id, "pad_token_id": pad_id, "do_sample": False}
-    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (out_dir / name).write_bytes((tokenizer_dir / name).read_bytes())
-    (out_dir / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    generation = {"eos_token_id": mcfg.eos_token_id, "pad_token_id": pad_id, "do_sample": False}
+    save_checkpoint(state, mcfg.to_hf_dict(), out_dir, tokenizer_dir, report,
+                    extra_json={"generation_config.json": generation})
