@@ -8,31 +8,62 @@ import sys
 from pathlib import Path
 
 
+def _add_config_flags(p, cls, flags: dict[str, str] | None = None) -> None:
+    """One `--field-name` flag per field of the config dataclass `cls`, its default and help
+    taken from the field (metadata "help" and "choices"): the dataclass is the one source of
+    defaults. `flags` renames a field's flag (field -> flag name without dashes); bool fields
+    are store_true, the others take the field's type (int, float, str, Path). A field without a
+    default is a required flag."""
+    import dataclasses
+    import types
+    import typing
+
+    hints = typing.get_type_hints(cls)
+    for field in dataclasses.fields(cls):
+        name = (flags or {}).get(field.name, field.name.replace("_", "-"))
+        kind = hints[field.name]
+        if typing.get_origin(kind) in (typing.Union, types.UnionType):
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))  # Path | None -> Path
+        help_text = field.metadata.get("help", "").replace("%", "%%")
+        kwargs: dict = {"dest": field.name}
+        if field.default is dataclasses.MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = field.default
+            if field.default is not None and kind is not bool:
+                help_text += f" (default: {field.default})"
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = kind
+            if "choices" in field.metadata:
+                kwargs["choices"] = list(field.metadata["choices"])
+            else:
+                kwargs["metavar"] = name.upper().replace("-", "_")
+        p.add_argument("--" + name, help=help_text, **kwargs)
+
+
+def _config_from_args(cls, args):
+    """The config dataclass `cls` built from the flags `_add_config_flags` added."""
+    import dataclasses
+
+    return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
+
+
 def _add_train_target(sub) -> None:
+    from specdecode.train.pretrain import PretrainConfig
+
     p = sub.add_parser(
         "train-target",
         help="pre-train the embedded default code model on the Python standard library",
         description="Pre-train a Llama-architecture code model from scratch on this interpreter's "
-        "standard library (.py files), then export it in HF layout (bf16 safetensors).",
+        "standard library (.py files), then export it in HF layout (bf16 safetensors). The defaults "
+        "are those that built the shipped models/stdlib-code-22m.",
     )
-    p.add_argument("--out", default="models/stdlib-code-22m", help="export directory (HF layout)")
-    p.add_argument("--work-dir", default="runs/train-target", help="checkpoints and token cache (not committed)")
+    # Flag names older than the generated ones, kept for the scripts and docs that use them.
+    _add_config_flags(p, PretrainConfig, {"out_dir": "out", "num_layers": "layers", "num_heads": "heads",
+                                          "num_kv_heads": "kv-heads"})
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
-    p.add_argument("--max-steps", type=int, default=900, help="optimizer steps (the cosine schedule spans them)")
-    p.add_argument("--batch-size", type=int, default=8, help="windows of CONTEXT tokens per step")
-    p.add_argument("--context", type=int, default=1024, help="training window = model context length")
-    p.add_argument("--hidden-size", type=int, default=512)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=4)
-    p.add_argument("--intermediate-size", type=int, default=1408)
-    p.add_argument("--vocab-size", type=int, default=8192)
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="autocast dtype")
-    p.add_argument("--device", default="auto", help="auto (CUDA when present), cpu, cuda")
     p.set_defaults(func=_run_train_target)
 
 
@@ -41,14 +72,7 @@ def _run_train_target(args) -> int:
 
     from specdecode.train.pretrain import PretrainConfig, train
 
-    cfg = PretrainConfig(
-        out_dir=args.out, work_dir=args.work_dir, vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size, num_layers=args.layers, num_heads=args.heads,
-        num_kv_heads=args.kv_heads, context=args.context, batch_size=args.batch_size, max_steps=args.max_steps,
-        lr=args.lr, warmup_steps=args.warmup_steps, seed=args.seed, checkpoint_minutes=args.checkpoint_minutes,
-        dtype=args.dtype, device=args.device,
-    )
-    report = train(cfg, resume=args.resume)
+    report = train(_config_from_args(PretrainConfig, args), resume=args.resume)
     print(json.dumps(report, indent=2))
     return 0
 
@@ -121,58 +145,23 @@ def _run_generate(args) -> int:
 
 
 def _add_train_drafter(sub) -> None:
+    from specdecode.train.drafter import DrafterTrainConfig
+
     p = sub.add_parser("train-drafter", help="train a drafter for a target model (default: the embedded model)",
                        description="Train a drafter against the target's own distribution (soft labels computed "
-                       "on the fly on the stdlib corpus), then export it in HF layout next to the target.")
-    p.add_argument("--method", required=True, choices=["draft_model", "medusa", "eagle", "eagle3", "mtp", "dflash", "dspark"],
-                   help="which drafter to train")
-    p.add_argument("--target", default=None, help="target checkpoint dir (default: the embedded model)")
-    p.add_argument("--out", default=None, help="export dir (default: models/<target>-<method suffix>)")
-    p.add_argument("--work-dir", default=None, help="checkpoints (default: runs/train-drafter-<method>)")
+                       "on the fly on the stdlib corpus), then export it in HF layout next to the target. Each "
+                       "shipped drafter's training_report.json names the command that trained it.")
+    _add_config_flags(p, DrafterTrainConfig, {"out_dir": "out", "num_layers": "layers"})  # the flags' older names
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
-    p.add_argument("--data", default="corpus", choices=["corpus", "generated"],
-                   help="corpus (default): stdlib windows with the target's soft labels; generated: the target's "
-                   "own continuations of corpus prompts (generated once, cached in WORK_DIR, resumable). Measured "
-                   "on DFlash, 300 steps each, HumanEval mean acceptance length: generated 1.54 vs corpus 1.45 at "
-                   "T=0, 1.52 vs 1.54 at T=1, and generating its data cost ~8 min more: corpus stays the default "
-                   "(BENCHMARKS.md, training data)")
-    p.add_argument("--generated-sequences", type=int, default=2000, help="with --data generated: how many")
-    p.add_argument("--max-steps", type=int, default=600)
-    p.add_argument("--batch-size", type=int, default=4, help="windows per step")
-    p.add_argument("--context", type=int, default=1024, help="window length in tokens")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--layers", type=int, default=2, help="draft_model: decoder layers")
-    p.add_argument("--intermediate-size", type=int, default=512, help="draft_model: MLP width")
-    p.add_argument("--draft-vocab-size", type=int, default=4096, help="eagle3: reduced draft vocabulary size")
-    p.add_argument("--medusa-heads", type=int, default=4, help="medusa: number of heads")
-    p.add_argument("--block-size", type=int, default=8, help="dflash: block size (drafts = block - 1)")
-    p.add_argument("--dflash-layers", type=int, default=2, help="dflash / dspark: draft layers")
-    p.add_argument("--markov-rank", type=int, default=128, help="dspark: rank of the Markov (bigram) head")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--checkpoint-minutes", type=float, default=5.0)
-    p.add_argument("--device", default="auto")
     p.set_defaults(func=_run_train_drafter)
 
 
 def _run_train_drafter(args) -> int:
     import json
-    from pathlib import Path
 
-    from specdecode.defaults import default_model_dir
     from specdecode.train.drafter import DrafterTrainConfig, train_drafter
 
-    target = Path(args.target) if args.target else default_model_dir()
-    suffix = {"draft_model": "draft"}.get(args.method, args.method)
-    cfg = DrafterTrainConfig(
-        method=args.method, target=target, out_dir=args.out or target.parent / f"{target.name}-{suffix}",
-        work_dir=args.work_dir or Path("runs") / f"train-drafter-{args.method}", max_steps=args.max_steps,
-        batch_size=args.batch_size, context=args.context, lr=args.lr, seed=args.seed,
-        checkpoint_minutes=args.checkpoint_minutes, device=args.device, num_layers=args.layers,
-        intermediate_size=args.intermediate_size, draft_vocab_size=args.draft_vocab_size,
-        medusa_heads=args.medusa_heads, block_size=args.block_size, dflash_layers=args.dflash_layers,
-        markov_rank=args.markov_rank, data=args.data, generated_sequences=args.generated_sequences,
-    )
-    print(json.dumps(train_drafter(cfg, resume=args.resume), indent=2))
+    print(json.dumps(train_drafter(_config_from_args(DrafterTrainConfig, args), resume=args.resume), indent=2))
     return 0
 
 
