@@ -62,11 +62,12 @@ class Speculator:
         ctx = ProposerContext(config=config, target=runner.model, target_dir=target.model_dir, tokenizer=target.tokenizer,
                               num_slots=target.max_num_seqs, max_len=target.max_model_len, dtype=runner.dtype,
                               device=runner.device, grouping=runner.grouping)
-        self.proposer: Proposer = PROPOSERS[config.method](ctx)
-        if config.tree_topk > 1 and not self.proposer.supports_tree:
+        proposer_class = PROPOSERS[config.method]
+        if config.tree_topk > 1 and not proposer_class.supports_tree:  # refused before any checkpoint is read
             tree_methods = sorted(m for m, cls in PROPOSERS.items() if cls.supports_tree)
             raise ConfigError(f"speculative_config.tree_topk > 1 (tree drafting) is not supported for method "
                               f"{config.method!r}; methods with trees: {', '.join(tree_methods)}")
+        self.proposer: Proposer = proposer_class(ctx)
         self.depth = DepthController(config, cost_model_loader=lambda: load_or_profile(
             runner, target.model_dir, max_batch=target.max_num_seqs, max_width=config.num_speculative_tokens + 1),
             draft_cost_prior=self.proposer.draft_cost_prior)
@@ -97,7 +98,9 @@ class Speculator:
                 confidence = draft.confidence.tolist() if draft.confidence is not None else None
                 draft = draft.truncate(self.depth.verify_lengths(seqs, num_tokens, confidence))
         else:
-            draft = Draft.empty(len(seqs), self.target.device)
+            # A tree engine verifies through the tree walk even when nobody drafted: each seeded row's
+            # random draws per step are then the same whatever the rest of the batch drafted.
+            draft = Draft.empty(len(seqs), self.target.device, tree=self.proposer.max_tree_depth > 0)
             num_draft_steps = 0
         num_draft = draft.num_tokens.tolist()  # one host sync: entry lengths are host-side
         t1 = time.perf_counter()

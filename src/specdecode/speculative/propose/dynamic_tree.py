@@ -34,7 +34,7 @@ def propose_dynamic_tree(drafter: TreeDrafter, seqs, max_tokens: list[int], topk
     B, K, D = len(seqs), topk, depth
     active = [b for b in range(B) if max_tokens[b] > 0]
     if not active:
-        return Draft.empty(B, device)
+        return Draft.empty(B, device, tree=True)
     o_root = drafter.tree_root(seqs, active)  # [A, d]
     A = len(active)
     scores, tokens = torch.log_softmax(drafter.vocab_logits(o_root), dim=-1).topk(K)  # [A, K]

@@ -40,9 +40,12 @@ class Draft:
     parents: torch.Tensor | None = None  # [B, k] tree drafts: parent node (-1 root, -2 padding); None = chain
 
     @classmethod
-    def empty(cls, batch_size: int, device) -> "Draft":
-        return cls(torch.full((batch_size, 0), -1, dtype=torch.long, device=device),
-                   torch.zeros(batch_size, dtype=torch.long, device=device))
+    def empty(cls, batch_size: int, device, tree: bool = False) -> "Draft":
+        """No draft tokens for any row (tree=True: an empty tree, so the step is verified by the
+        tree walk and a seeded row draws the same random numbers as in a step that drafted)."""
+        none = torch.full((batch_size, 0), -1, dtype=torch.long, device=device)
+        return cls(none, torch.zeros(batch_size, dtype=torch.long, device=device),
+                   parents=torch.full_like(none, -2) if tree else None)
 
     def truncate(self, limits: list[int]) -> "Draft":
         """Keep at most limits[b] tokens (tree: nodes) of sequence b; what is kept is unchanged."""

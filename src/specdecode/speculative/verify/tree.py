@@ -55,6 +55,10 @@ def verify_tree(
 ) -> tuple[Verified, torch.Tensor]:
     """Returns Verified (token_ids [B, max_depth + 1], -1 padded) and the accepted nodes
     path [B, max_depth] (node indices along the accepted path, -1 padded)."""
+    if token_ids.shape[1] == 0:  # no row drafted: one padding node that matches nothing
+        token_ids = token_ids.new_full((token_ids.shape[0], 1), -1)
+        parents = parents.new_full((parents.shape[0], 1), -2)
+        target_logits = torch.cat([target_logits[:, :1], target_logits[:, :1]], dim=1)
     B, n = token_ids.shape
     V = target_logits.shape[-1]
     device = target_logits.device

@@ -49,8 +49,8 @@ class MedusaProposer(ProposerBase[MedusaState]):
             raise ConfigError("speculative_config.model: the Medusa heads' hidden size does not match the target's")
         self.target = ctx.target
         self.tree = StaticTree(depth, ctx.config.tree_topk, ctx.config.tree_num_nodes, ctx.device)
-        self.max_tree_depth = self.tree.max_depth
         self.is_chain = ctx.config.tree_topk == 1
+        self.max_tree_depth = 0 if self.is_chain else self.tree.max_depth
         self.p_min = ctx.config.draft_p_min
 
     def on_prefill(self, seqs, result) -> None:
