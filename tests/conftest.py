@@ -35,3 +35,41 @@ def hf_models(tmp_path_factory) -> dict:
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64}),
     }
+
+
+@pytest.fixture(scope="session")
+def trained_drafters(native_model, tmp_path_factory) -> dict[str, Path]:
+    """One drafter per learned family for the native test model, randomly initialised and
+    briefly trained (so it is not pure noise), exported as a checkpoint folder."""
+    from helpers import train_briefly
+
+    from specdecode.models.loader import load_model
+    from specdecode.train.drafter import RECIPES, DrafterTrainConfig, calibrate_dspark
+
+    root = tmp_path_factory.mktemp("drafters")
+    target = load_model(native_model, torch.float32)
+    tokens = torch.randint(3, 320, (5000,), generator=torch.Generator().manual_seed(0)).numpy()
+    shapes = {  # method -> (config overrides, training steps, window shape)
+        "medusa": (dict(medusa_heads=3), 20, (4, 32)),
+        "eagle": ({}, 25, (4, 32)),
+        "eagle3": (dict(draft_vocab_size=200), 25, (4, 32)),
+        "mtp": ({}, 25, (4, 32)),
+        "dflash": (dict(block_size=4, dflash_layers=1), 25, (4, 64)),
+        "dspark": (dict(block_size=4, dflash_layers=1, markov_rank=16, context=64, eval_windows=6), 30, (4, 64)),
+    }
+    out = {}
+    for method, (overrides, steps, window) in shapes.items():
+        cfg = DrafterTrainConfig(method=method, target=native_model, out_dir=root / method, work_dir=root / "work",
+                                 **overrides)
+        recipe = RECIPES[method]
+        torch.manual_seed(0)
+        drafter = recipe.build(target, cfg, tokens)
+        losses = train_briefly(recipe, drafter, target, steps, window)
+        assert sum(losses[-5:]) < sum(losses[:5]), method  # it learns the target's behaviour
+        report = {"steps": steps}
+        if method == "dspark":
+            held_out = torch.randint(3, 320, (4000,), generator=torch.Generator().manual_seed(1)).numpy()
+            report.update(calibrate_dspark(drafter, target, held_out, cfg, "cpu"))
+        recipe.export(drafter, target, cfg, report)
+        out[method] = root / method
+    return out

@@ -28,6 +28,19 @@ class Stack:
 
 VOCAB = 320
 
+# Ragged prompts used across the suite: a repeating one (n-gram hits), a long one, a single
+# token and a short run, so every batch has rows of different lengths.
+PROMPT_IDS = [[5, 17, 99, 5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3, 12, 64, 9], [42], [100, 101, 102, 103, 104, 105]]
+PROMPTS = [{"prompt_token_ids": p} for p in PROMPT_IDS]
+
+
+def generate_ids(model: Path, prompts, params, speculative_config=None, max_num_seqs: int = 4, **llm_kwargs) -> list[list[int]]:
+    """Token ids of a float32 LLM's outputs, in input order."""
+    from specdecode import LLM
+
+    llm = LLM(model, dtype="float32", speculative_config=speculative_config, max_num_seqs=max_num_seqs, **llm_kwargs)
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
 
 def make_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
     from specdecode.train.corpus import SourceFile
@@ -107,3 +120,51 @@ def train_briefly(recipe, drafter, target, steps: int, window_shape: tuple[int, 
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+# 99.9% quantile of the chi-square distribution with 7 degrees of freedom (8 buckets).
+CHI2_999_DF7 = 24.32
+
+
+def exact_second_token_probs(model_dir: Path, prompt_ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """[V] float64: the exact distribution (at `temperature`) of the second generated token,
+    sum over t0 of p(t0 | prompt) * p(t1 | prompt, t0): the first token a speculative step
+    decides (the first comes from the prefill)."""
+    from specdecode.models.loader import load_model
+
+    model = load_model(model_dir, torch.float32)
+    ids, T = torch.tensor(prompt_ids), len(prompt_ids)
+    with torch.no_grad():
+        first = (model.compute_logits(model(ids[None], torch.arange(T)[None]).hidden[0, -1]).double() / temperature).softmax(-1)  # [V]
+        V = first.shape[0]
+        continued = torch.cat([ids.expand(V, T), torch.arange(V)[:, None]], dim=1)  # [V, T + 1]: every t0
+        hidden = model(continued, torch.arange(T + 1).expand(V, T + 1)).hidden[:, -1]
+        second = (model.compute_logits(hidden).double() / temperature).softmax(-1)  # [V (t0), V (t1)]
+    return (first[:, None] * second).sum(0)
+
+
+def chi_square(samples: list[int], probs: torch.Tensor, buckets: int = 8) -> float:
+    """Pearson's statistic of samples against probs over the buckets-1 likeliest tokens and
+    the rest (buckets - 1 degrees of freedom)."""
+    top = probs.topk(buckets - 1).indices.tolist()
+    expected = [float(probs[t]) for t in top]
+    expected.append(1.0 - sum(expected))
+    index = {t: i for i, t in enumerate(top)}
+    observed = [0] * buckets
+    for s in samples:
+        observed[index.get(s, buckets - 1)] += 1
+    n = len(samples)
+    return sum((o - n * e) ** 2 / (n * e) for o, e in zip(observed, expected))
+
+
+def verify_against_the_drafter(verify):
+    """A broken verifier for negative controls: it checks drafts against the drafter's own
+    distribution instead of the target's, so every draft is accepted and the output follows
+    the drafter. A distribution test must catch it."""
+    def broken(draft_ids, num_draft, draft_probs, target_logits, sampling):
+        wrong = target_logits.clone()
+        temperature = sampling.temperature.clamp(min=1e-6)[:, None, None]
+        wrong[:, : draft_probs.shape[1]] = draft_probs.clamp(min=1e-30).log() * temperature  # process_logits divides by T
+        return verify(draft_ids, num_draft, draft_probs, wrong, sampling)
+
+    return broken

@@ -24,9 +24,41 @@ def test_default_model_matches_transformers_logits():
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=2e-4)
 
 
-def test_llm_without_model_uses_the_default_and_writes_python():
+MERGE_SORTED = '''def merge_sorted(left, right):
+    """Merge two sorted lists into one sorted list."""
+    result = []
+    i = j = 0
+    while i < len(left) and j < len(right):
+        if left[i] <= right[j]:
+            result.append(left[i])
+            i += 1
+        else:
+            result.append(right[j])
+            j += 1
+    result.extend(left[i:])
+    result.extend(right[j:])
+    return result
+'''
+
+
+def test_llm_without_model_uses_the_default_and_knows_python():
+    """The default model predicts real Python far better than the same tokens shuffled
+    (measured: 3.0 vs 8.0 nats per token; uniform over its vocabulary is 9.0)."""
+    import random
+
     llm = LLM(dtype="float32")
     assert llm.config.model == default_model_dir()
+
+    def loss(ids: list[int]) -> float:
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            logits = llm.model.compute_logits(llm.model(x, torch.arange(len(ids))[None]).hidden)[0]
+        return torch.nn.functional.cross_entropy(logits[:-1], x[0, 1:]).item()
+
+    ids = llm.tokenizer.encode(MERGE_SORTED)
+    shuffled = ids[:]
+    random.Random(0).shuffle(shuffled)
+    assert loss(ids) < 3.5 and loss(shuffled) > 6.5
     out = llm.generate("import os\n\n\ndef list_files(path):\n", SamplingParams(temperature=0, max_tokens=24))[0]
     assert len(out.token_ids) > 0 and out.text.strip()
 

@@ -1,95 +1,37 @@
-"""EAGLE, EAGLE-3 and MTP drafters: lossless with chains, trainable, checkpoint round trip."""
+"""EAGLE, EAGLE-3 and MTP drafters beyond the conformance suite: stop rules, checkpoints, the
+speculators layout, and serving computing what training optimised."""
 
 import pytest
 import torch
-from helpers import train_briefly
+from helpers import PROMPTS
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
-from specdecode.models.loader import load_model
 from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter, save_drafter
-from specdecode.train.drafter import RECIPES, DrafterTrainConfig
-
-PROMPTS = [{"prompt_token_ids": p} for p in ([5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3], [42], [100, 101, 102])]
 
 
-@pytest.fixture(scope="module")
-def drafters(native_model, tmp_path_factory):
-    """One randomly initialised drafter per variant, briefly trained so it is not pure noise."""
-    root = tmp_path_factory.mktemp("eagle")
-    target = load_model(native_model, torch.float32)
-    tokens = torch.randint(3, 320, (5000,)).numpy()
-    out = {}
-    for method in ("eagle", "eagle3", "mtp"):
-        cfg = DrafterTrainConfig(method=method, target=native_model, out_dir=root / method, work_dir=root / "w",
-                                 draft_vocab_size=200)
-        recipe = RECIPES[method]
-        torch.manual_seed(0)
-        drafter = recipe.build(target, cfg, tokens)
-        losses = train_briefly(recipe, drafter, target, 25, (4, 32))
-        assert sum(losses[-5:]) < sum(losses[:5])  # it learns the target's behaviour
-        recipe.export(drafter, target, cfg, {"steps": 25})
-        out[method] = root / method
-    return out
-
-
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_greedy_equals_plain_decoding(native_model, drafters, method):
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
-    spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={
-        "method": method, "model": str(drafters[method]), "num_speculative_tokens": 3}).generate(PROMPTS, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    assert sum(o.metrics.num_draft_tokens for o in spec) > 0
-    single = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config={
-        "method": method, "model": str(drafters[method]), "num_speculative_tokens": 2}).generate(PROMPTS[1], params)
-    assert single[0].token_ids == plain[1].token_ids
-
-
-def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, drafters):
+def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, trained_drafters):
     """D-Cut's drafting half stops rows mid-chain; what is drafted stays exact (greedy)."""
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
     spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={
-        "method": "eagle3", "model": str(drafters["eagle3"]), "num_speculative_tokens": 4})
+        "method": "eagle3", "model": str(trained_drafters["eagle3"]), "num_speculative_tokens": 4})
     spec.speculator.depth.draft_stop = lambda plan: lambda step, tops, rows: rows[1:]  # the first still-drafting row stops
     assert [o.token_ids for o in spec.generate(PROMPTS, params)] == [o.token_ids for o in plain]
 
 
-def test_sampled_seeded_runs_are_reproducible(native_model, drafters):
-    config = {"method": "eagle3", "model": str(drafters["eagle3"]), "num_speculative_tokens": 3}
-    params = SamplingParams(temperature=0.9, top_p=0.9, max_tokens=20, seed=3, ignore_eos=True)
-    a = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, params)
-    b = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, params)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-
-
-def test_checkpoint_round_trip_and_variant_check(native_model, drafters, tmp_path):
-    d = load_drafter(drafters["eagle3"], torch.float32, "cpu")
+def test_checkpoint_round_trip_and_variant_check(native_model, trained_drafters, tmp_path):
+    d = load_drafter(trained_drafters["eagle3"], torch.float32, "cpu")
     assert d.cfg.variant == "eagle3" and d.cfg.draft_vocab_size == 200
     ids = d.draft_to_target
     assert len(set(ids.tolist())) == 200 and int(ids.max()) < 320  # a real map into the target vocabulary
     save_drafter(d, tmp_path / "again", native_model)
     assert load_drafter(tmp_path / "again", torch.float32, "cpu").cfg.aux_layers == d.cfg.aux_layers
     with pytest.raises(ConfigError, match="'mtp' drafter, not 'eagle'"):
-        LLM(native_model, dtype="float32", speculative_config={"method": "eagle", "model": str(drafters["mtp"])})
+        LLM(native_model, dtype="float32", speculative_config={"method": "eagle", "model": str(trained_drafters["mtp"])})
 
 
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
-def test_dynamic_tree_greedy_equals_plain(native_model, drafters, method):
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = LLM(native_model, dtype="float32", max_num_seqs=4).generate(PROMPTS, params)
-    config = {"method": method, "model": str(drafters[method]), "num_speculative_tokens": 3, "tree_topk": 3,
-              "tree_num_nodes": 10}
-    spec = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=config).generate(PROMPTS, params)
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
-    sampled = SamplingParams(temperature=1.0, max_tokens=16, seed=1, ignore_eos=True)
-    a = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, sampled)
-    b = LLM(native_model, dtype="float32", speculative_config=config).generate(PROMPTS, sampled)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
-
-
-def test_export_speculators_layout_and_load_back(native_model, drafters, tmp_path):
+def test_export_speculators_layout_and_load_back(native_model, trained_drafters, tmp_path):
     import json
 
     from safetensors import safe_open
@@ -97,13 +39,13 @@ def test_export_speculators_layout_and_load_back(native_model, drafters, tmp_pat
     from specdecode.cli import main
 
     out = tmp_path / "spec"
-    assert main(["export", "--format", "speculators", "--drafter", str(drafters["eagle3"]), "--target",
+    assert main(["export", "--format", "speculators", "--drafter", str(trained_drafters["eagle3"]), "--target",
                  str(native_model), "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["num_hidden_layers"] == 1
     assert config["draft_vocab_size"] == 200 and config["vocab_size"] == 320
     assert config["speculators_model_type"] == "eagle3" and config["speculators_config"]["algorithm"] == "eagle3"
-    ours = load_drafter(drafters["eagle3"], torch.float32, "cpu")
+    ours = load_drafter(trained_drafters["eagle3"], torch.float32, "cpu")
     assert [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == list(ours.cfg.aux_layers)
     d = config["hidden_size"]
     with safe_open(str(out / "model.safetensors"), "pt") as f:
@@ -132,13 +74,13 @@ def test_ttt_mask_matches_inference_attention():
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "mtp"])
-def test_serving_catch_up_equals_the_training_step(native_model, drafters, method):
+def test_serving_catch_up_equals_the_training_step(native_model, trained_drafters, method):
     """The proposer's first draft state must be what training's first unroll step computed."""
     from specdecode.engine.sequence import Sequence
     from specdecode.speculative.propose.features import FeatureState
     from specdecode.train.drafter import _eagle_unroll
 
-    llm = LLM(native_model, dtype="float32", speculative_config={"method": method, "model": str(drafters[method]),
+    llm = LLM(native_model, dtype="float32", speculative_config={"method": method, "model": str(trained_drafters[method]),
                                                                  "num_speculative_tokens": 2})
     proposer = llm.speculator.proposer
     window = torch.randint(3, 320, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -154,7 +96,7 @@ def test_serving_catch_up_equals_the_training_step(native_model, drafters, metho
     torch.testing.assert_close(served, o[0, n - 2], atol=1e-4, rtol=1e-4)
 
 
-def test_a_catch_up_split_from_its_batch_keeps_greedy_output(native_model, drafters, monkeypatch):
+def test_a_catch_up_split_from_its_batch_keeps_greedy_output(native_model, trained_drafters, monkeypatch):
     """A long prompt admitted while another request decodes: the drafter's catch-up over it runs
     as a forward of its own (`LengthGrouping`), and the output stays plain decoding's."""
     from specdecode.engine import ragged
@@ -173,6 +115,6 @@ def test_a_catch_up_split_from_its_batch_keeps_greedy_output(native_model, draft
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 16)]
     plain = LLM(native_model, dtype="float32", max_num_seqs=2).generate(prompts, params)
     spec = LLM(native_model, dtype="float32", max_num_seqs=2, speculative_config={
-        "method": "eagle3", "model": str(drafters["eagle3"]), "num_speculative_tokens": 3}).generate(prompts, params)
+        "method": "eagle3", "model": str(trained_drafters["eagle3"]), "num_speculative_tokens": 3}).generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert max(splits) == 2  # the catch-up ran beside the decoding request, in its own forward

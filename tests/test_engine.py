@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+from helpers import PROMPT_IDS as PROMPTS
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.ragged import ForwardEntry
@@ -10,7 +11,6 @@ from specdecode.errors import ConfigError, InvalidRequestError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch, process_logits
 
-PROMPTS = [[5, 17, 99], [8, 200, 31, 77, 150, 3, 12, 64, 9], [42], [100, 101, 102, 103, 104, 105]]
 
 
 def test_batch_equals_each_prompt_alone(native_model):
@@ -130,7 +130,21 @@ def test_text_prompts_and_chat_template(native_model):
     assert chat == "# user: hi\n# there\n"
 
 
-def test_bfloat16_runs(native_model):
-    llm = LLM(native_model, dtype="bfloat16")
-    out = llm.generate({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
-    assert len(out.token_ids) == 8
+def test_bfloat16_weights_give_the_float32_model_within_rounding(native_model):
+    """bfloat16 serving holds bf16 weights and computes what float32 computes up to bf16
+    rounding: logits agree closely and the argmax is the same wherever float32's top-2 margin
+    exceeds that rounding."""
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    bf16, fp32 = LLM(native_model, dtype="bfloat16"), LLM(native_model, dtype="float32")
+    assert all(p.dtype == torch.bfloat16 for p in bf16.model.parameters())
+    ids = torch.tensor([PROMPTS[1]])
+    positions = torch.arange(ids.shape[1])[None]
+    with torch.no_grad():
+        low = bf16.model.compute_logits(bf16.model(ids, positions).hidden)[0]  # [T, V] float32 from bf16 weights
+        high = fp32.model.compute_logits(fp32.model(ids, positions).hidden)[0]
+    assert torch.nn.functional.cosine_similarity(low, high, dim=-1).min() > 0.999
+    top2 = high.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 0.1 * high.abs().max()
+    assert decisive.any() and torch.equal(low.argmax(-1)[decisive], high.argmax(-1)[decisive])
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert len(bf16.generate(prompt, params)[0].token_ids) == 8

@@ -1,9 +1,11 @@
-"""Speculative decoding: losslessness (greedy equality, sampling distribution), depth knobs, config errors."""
+"""Speculative decoding beyond the conformance suite: depth knobs, acceptance, the sampling distribution, config errors."""
 
 import json
 
 import pytest
 import torch
+from helpers import (CHI2_999_DF7, PROMPT_IDS as PROMPTS, chi_square, exact_second_token_probs, generate_ids,
+                     verify_against_the_drafter)
 
 from specdecode import LLM, SamplingParams, SpeculativeConfig
 from specdecode.errors import ConfigError, TokenizerMismatchError
@@ -11,7 +13,6 @@ from specdecode.sampling import SamplingBatch, process_logits
 from specdecode.speculative.propose.drafters.ngram.proposer import find_continuation
 from specdecode.speculative.verify.chain import verify
 
-PROMPTS = [[5, 17, 99, 5, 17, 99, 5, 17], [8, 200, 31, 77, 150, 3, 12, 64, 9], [42], [100, 101, 102, 103, 104, 105]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
@@ -22,17 +23,6 @@ def _reference(model, prompts, params=GREEDY):
 def _spec_outputs(model, config, prompts, params=GREEDY, max_num_seqs=4):
     llm = LLM(model, dtype="float32", speculative_config=config, max_num_seqs=max_num_seqs)
     return llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-
-
-@pytest.mark.parametrize("k", [1, 3, 5])
-def test_ngram_greedy_equals_plain_decoding(native_model, k):
-    ref = _reference(native_model, PROMPTS)
-    config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-    outs = _spec_outputs(native_model, config, PROMPTS)
-    assert [o.token_ids for o in outs] == ref
-    for prompt, ref_ids in zip(PROMPTS, ref):  # batch 1
-        assert _spec_outputs(native_model, config, [prompt], max_num_seqs=1)[0].token_ids == ref_ids
-    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
 
 
 @pytest.mark.parametrize("config_extra", [{}, {"draft_p_min": 0.1}, {"draft_n_min": 2}, {"draft_length_schedule": "heuristic"}])
@@ -61,12 +51,15 @@ def test_drafter_equal_to_target_accepts_everything(native_model):
     assert all(o.metrics.acceptance_rate > 0.95 for o in sampled)
 
 
-def test_ngram_all_accepted_on_repetition(native_model):
-    # A prompt that repeats itself and a model that continues a loop: lookup keeps up.
-    ref = _reference(native_model, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
+def test_ngram_accepts_nearly_everything_on_repetition():
+    """The default model continues a repetitive prompt with more of the same, which prompt lookup
+    predicts: nearly every draft is accepted and steps commit several tokens (measured: 98%, 4.8)."""
+    prompt, params = "x = 1\ny = 2\nx = 1\ny = 2\nx = 1\ny = 2\n", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    plain = LLM(dtype="float32").generate(prompt, params)[0]
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    out = _spec_outputs(native_model, config, [PROMPTS[0]], SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))[0]
-    assert out.token_ids == ref
+    out = LLM(dtype="float32", speculative_config=config).generate(prompt, params)[0]
+    assert out.token_ids == plain.token_ids
+    assert out.metrics.acceptance_rate > 0.8 and out.metrics.mean_acceptance_length > 3
 
 
 def test_find_continuation_prefers_longest_latest_match():
@@ -167,20 +160,26 @@ def test_seeded_verification_is_reproducible():
     assert torch.equal(runs[0], runs[1])
 
 
-def test_sampled_speculation_matches_plain_sampling_statistically(native_model, native_drafter):
-    """End to end: first generated token's distribution with and without speculation."""
-    prompt = {"prompt_token_ids": [8, 200, 31]}
-    params = [SamplingParams(temperature=1.0, max_tokens=3, seed=s, ignore_eos=True) for s in range(300)]
+def test_sampled_speculation_keeps_the_target_distribution(native_model, native_drafter, monkeypatch):
+    """End to end, 1200 seeded requests: the first token a speculative step commits follows the
+    target's exact distribution (chi-square over 8 buckets, 99.9% threshold); a verifier that
+    checks drafts against the drafter's own distribution is caught by the same statistic
+    (measured here: 2.0 plain, 6.4 speculative, 81 broken; the bound is 24.3)."""
+    prompt = [8, 200, 31]
+    exact = exact_second_token_probs(native_model, prompt)
+    params = [SamplingParams(temperature=1.0, max_tokens=5, seed=s, ignore_eos=True) for s in range(1200)]
     config = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 3}
-    plain = LLM(native_model, dtype="float32", max_num_seqs=16).generate([prompt] * 300, params)
-    spec = LLM(native_model, dtype="float32", max_num_seqs=16, speculative_config=config).generate([prompt] * 300, params)
-    # Third token (the first one decided by verification) has the same distribution: compare
-    # the frequency of the most common value.
-    from collections import Counter
 
-    a, b = Counter(o.token_ids[2] for o in plain), Counter(o.token_ids[2] for o in spec)
-    top = a.most_common(1)[0][0]
-    assert abs(a[top] - b[top]) / 300 < 0.12
+    def second_tokens(speculative_config):
+        return [ids[1] for ids in generate_ids(native_model, [{"prompt_token_ids": prompt}] * len(params), params,
+                                               speculative_config, max_num_seqs=16)]
+
+    assert chi_square(second_tokens(None), exact) < CHI2_999_DF7  # plain sampling: the statistic's calibration
+    assert chi_square(second_tokens(config), exact) < CHI2_999_DF7
+    from specdecode.speculative import speculator
+
+    monkeypatch.setattr(speculator, "verify", verify_against_the_drafter(verify))
+    assert chi_square(second_tokens(config), exact) > CHI2_999_DF7  # negative control: a broken verifier is detected
 
 
 # ---- configuration errors -----------------------------------------------------------------
@@ -216,16 +215,3 @@ def test_drafter_must_match_target(native_model, tmp_path):
     other = make_native_model(tmp_path / "other", vocab=256)
     with pytest.raises(TokenizerMismatchError, match="vocab_size"):
         LLM(native_model, dtype="float32", speculative_config={"method": "draft_model", "model": str(other)})
-
-
-@pytest.mark.parametrize("method", ["ngram", "draft_model"])
-def test_seeded_speculative_sampling_is_independent_of_batch(native_model, native_drafter, method):
-    config = {"method": method, "num_speculative_tokens": 3, "prompt_lookup_min": 1}
-    if method == "draft_model":
-        config["model"] = str(native_drafter)
-    seeded = SamplingParams(temperature=1.0, max_tokens=20, seed=77, ignore_eos=True)
-    alone = _spec_outputs(native_model, config, [PROMPTS[0]], seeded, max_num_seqs=1)[0].token_ids
-    others = SamplingParams(temperature=0.7, max_tokens=20, ignore_eos=True)
-    llm = LLM(native_model, dtype="float32", speculative_config=config, max_num_seqs=4)
-    mixed = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], [seeded, others, others, others])
-    assert mixed[0].token_ids == alone

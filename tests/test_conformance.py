@@ -1,0 +1,120 @@
+"""The contract every registered proposer must keep, chain and tree alike.
+
+Parametrised over `PROPOSERS`: a new method is covered by adding its cases to `CASES` (the
+first test fails until it is), and then gets the lossless checks for free:
+- greedy output equals plain decoding's, token for token, in a ragged batch;
+- a request decoded alone equals the same request decoded in a batch;
+- a seeded sampled request gives the same tokens whatever else is in the batch;
+- finishing and aborting requests frees every slot and all per-request drafter state;
+- configurations that cannot work are refused with a message naming the problem.
+"""
+
+from __future__ import annotations
+
+import pytest
+from helpers import PROMPTS, generate_ids
+
+from specdecode import LLM, SamplingParams
+from specdecode.errors import SpecDecodeError
+from specdecode.speculative.propose.registry import PROPOSERS
+
+K = 3
+TREE = {"tree_topk": 3, "tree_num_nodes": 10}
+# method -> {shape: speculative_config keys beyond method / model / k}
+CASES: dict[str, dict[str, dict]] = {
+    "ngram": {"chain": {"prompt_lookup_min": 1, "prompt_lookup_max": 3}},
+    "draft_model": {"chain": {}},
+    "medusa": {"chain": {}, "static tree": TREE},
+    "eagle": {"chain": {}, "dynamic tree": TREE},
+    "eagle3": {"chain": {}, "dynamic tree": TREE},
+    "mtp": {"chain": {}, "dynamic tree": TREE},
+    "dflash": {"chain": {}, "static tree": TREE},
+    "dspark": {"chain": {}},
+}
+PARAMS = [(method, shape) for method, shapes in CASES.items() for shape in shapes]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def builtin_methods() -> set[str]:
+    return {m for m in PROPOSERS if not m.startswith("test_")}  # tests may register their own proposers
+
+
+@pytest.fixture()
+def spec_config(request, native_drafter, trained_drafters):
+    """speculative_config of one (method, shape) case."""
+    method, shape = request.param
+    config = {"method": method, "num_speculative_tokens": K, **CASES[method][shape]}
+    if method == "draft_model":
+        config["model"] = str(native_drafter)  # a different random model: mostly rejected drafts
+    elif method in trained_drafters:
+        config["model"] = str(trained_drafters[method])
+    return config
+
+
+def cases(test):
+    ids = [f"{m}-{s.replace(' ', '_')}" for m, s in PARAMS]
+    return pytest.mark.parametrize("spec_config", PARAMS, ids=ids, indirect=True)(test)
+
+
+def test_every_registered_method_has_conformance_cases():
+    assert builtin_methods() == set(CASES)
+
+
+@cases
+def test_greedy_equals_plain_decoding(native_model, spec_config):
+    plain = generate_ids(native_model, PROMPTS, GREEDY)
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=spec_config)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # speculation really ran
+
+
+@cases
+def test_a_request_alone_equals_it_batched(native_model, spec_config):
+    batched = generate_ids(native_model, PROMPTS, GREEDY, spec_config)
+    for prompt, expected in zip(PROMPTS[:2], batched):
+        assert generate_ids(native_model, [prompt], GREEDY, spec_config, max_num_seqs=1) == [expected]
+
+
+@cases
+def test_seeded_sampling_is_independent_of_the_batch(native_model, spec_config):
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=11, ignore_eos=True)
+    others = SamplingParams(temperature=0.7, max_tokens=16, ignore_eos=True)
+    alone = generate_ids(native_model, [PROMPTS[0]], seeded, spec_config, max_num_seqs=1)
+    mixed = generate_ids(native_model, PROMPTS, [seeded, others, others, others], spec_config)
+    again = generate_ids(native_model, PROMPTS[::-1], [others, others, others, seeded], spec_config)
+    assert mixed[0] == alone[0] == again[3]
+
+
+@cases
+def test_finish_and_abort_free_every_slot_and_drafter_state(native_model, spec_config):
+    config = {**spec_config, "draft_length_schedule": "heuristic"}  # keeps per-request policy state too
+    llm = LLM(native_model, dtype="float32", max_num_seqs=2, speculative_config=config)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = [llm.add_request(p, params) for p in PROMPTS]
+    for _ in range(4):  # two requests running, two waiting
+        llm.step()
+    assert llm.speculator.proposer.num_live_states() <= 2
+    running = [s.request_id for s in llm.scheduler.running]
+    llm.abort(running[0])
+    llm.abort(ids[-1])  # still waiting
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.speculator.proposer.num_live_states() == 0
+    assert llm.speculator.depth.schedule_k == {}
+    assert sorted(llm.scheduler.free_slots) == [0, 1] and not llm.scheduler.running and not llm.scheduler.waiting
+    # The engine serves the next request as if nothing had happened.
+    assert [o.token_ids for o in llm.generate(PROMPTS[1], GREEDY)] == generate_ids(native_model, [PROMPTS[1]], GREEDY)
+
+
+@pytest.mark.parametrize("method", sorted(CASES))
+def test_configurations_that_cannot_work_are_refused(native_model, trained_drafters, native_drafter, tmp_path, method):
+    def refused(config, message):
+        with pytest.raises(SpecDecodeError, match=message):
+            LLM(native_model, dtype="float32", speculative_config={"method": method, **config})
+
+    refused({"num_speculative_tokens": 0}, "num_speculative_tokens")
+    if method != "ngram":  # every other method reads a checkpoint
+        refused({"model": str(tmp_path)}, "not a checkpoint|config.json")
+    if not PROPOSERS[method].supports_tree:
+        refused({"tree_topk": 2}, f"not supported for method '{method}'.*methods with trees")
