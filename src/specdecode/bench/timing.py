@@ -1,0 +1,73 @@
+"""Paired, interleaved timing of `specdecode bench` and the bootstrap interval of a speedup.
+
+The prompts are cut into rounds (a multiple of the concurrency, at least `ROUND_PROMPTS`
+prompts), and each round runs every method back to back, in an order that rotates from round
+to round. A slow phase of a shared machine (measured here: the same work varies by 10-25%
+over tens of seconds) then lands on every method alike. Speedup = total baseline wall time /
+total method wall time over all rounds (the same work), with a 90% bootstrap interval over
+rounds, resampled in pairs (a round's baseline time with the same round's method time).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+
+from specdecode.config import SamplingParams
+from specdecode.engine.engine import LLM
+from specdecode.speculative.stats import SpecStats
+
+ROUND_PROMPTS = 8  # prompts per timing round at low concurrency (a round at concurrency 1 lasts a few seconds)
+
+
+@dataclasses.dataclass(slots=True)
+class Measured:
+    round_seconds: list[float]  # wall seconds of every timed round, repeats x rounds, in order
+    outputs: list  # the last pass's outputs, in prompt order (its stats stay in llm.stats)
+
+
+def rounds_of(num_prompts: int, concurrency: int) -> list[range]:
+    """Prompt ranges of the timing rounds: whole batches of `concurrency`, >= ROUND_PROMPTS prompts."""
+    size = concurrency * max(1, -(-ROUND_PROMPTS // concurrency))
+    return [range(i, min(i + size, num_prompts)) for i in range(0, num_prompts, size)]
+
+
+def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[SamplingParams], repeats: int,
+                        concurrency: int = 1, on_run=lambda: None) -> list[Measured]:
+    """Time every engine on the same rounds of prompts, round by round: engines A, B, C on
+    round 1, then B, C, A on round 2, ... (`repeats` passes over all rounds)."""
+    for llm in llms:
+        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (allocations, caches)
+    rounds = rounds_of(len(prompts), concurrency)
+    measured = [Measured([], []) for _ in llms]
+    turn = 0
+    for _ in range(repeats):
+        for llm, m in zip(llms, measured):
+            llm.stats, m.outputs = SpecStats(), []  # stats and outputs of the last pass only
+        for idx in rounds:
+            for i in [(turn + j) % len(llms) for j in range(len(llms))]:
+                start = time.perf_counter()
+                outs = llms[i].generate([prompts[j] for j in idx], [params[j] for j in idx])
+                measured[i].round_seconds.append(time.perf_counter() - start)
+                measured[i].outputs += outs
+                on_run()
+            turn += 1
+    return measured
+
+
+def speedup_interval(baseline: list[float], method: list[float], samples: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """90% bootstrap interval of sum(baseline) / sum(method) over paired rounds.
+
+    A percentile interval: both ends are resampled ratios of sums, each a weighted mean of the
+    per-round ratios baseline[i] / method[i], so lo <= hi and both lie within the smallest and
+    the largest per-round ratio. It need not contain the observed ratio of sums (with few,
+    unequal rounds that ratio can sit at an end of the resampled distribution)."""
+    rng = random.Random(seed)
+    n = len(baseline)
+    ratios = []
+    for _ in range(samples):
+        pick = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(baseline[i] for i in pick) / sum(method[i] for i in pick))
+    ratios.sort()
+    return ratios[int(0.05 * samples)], ratios[int(0.95 * samples) - 1]
