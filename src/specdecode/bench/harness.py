@@ -99,12 +99,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             for method, llm, m in zip(cfg.methods, llms, measured):
                 num_tokens = sum(len(o.token_ids) for o in m.outputs)  # one pass
                 wall = sum(m.round_seconds) / cfg.repeats  # mean seconds per pass
-                record = {
-                    "method": method.label, "config": method.config, "temperature": temperature,
-                    "concurrency": concurrency, "num_prompts": len(prompts), "output_tokens": num_tokens,
-                    "wall_seconds": round(wall, 4), "tokens_per_second": round(num_tokens / wall, 2),
-                    "round_seconds": [round(w, 4) for w in m.round_seconds],
-                }
+                record = {"method": method.label, "config": method.config,
+                          **_timed(temperature, concurrency, len(prompts), num_tokens, wall),
+                          "round_seconds": [round(w, 4) for w in m.round_seconds]}
                 if baseline is None:
                     baseline = (record, m.outputs, m.round_seconds)
                     record["speedup"] = 1.0
@@ -123,8 +120,7 @@ def run_bench(cfg: BenchConfig) -> dict:
                         "verify_time_fraction": round(agg.verify_time / wall, 3) if concurrency == 1 else None,
                     })
                 if temperature == 0 and baseline is not None:
-                    same = sum(o.token_ids == b.token_ids for o, b in zip(m.outputs, baseline[1]))
-                    record["outputs_equal_to_plain"] = f"{same}/{len(m.outputs)}"
+                    record["outputs_equal_to_plain"] = _equal_to_plain([o.token_ids for o in m.outputs], baseline[1])
                 runs.append(record)
             llm = llms[0]
             del llms, measured  # free every engine's KV cache before the next concurrency level
@@ -138,6 +134,18 @@ def run_bench(cfg: BenchConfig) -> dict:
         result["peer_errors"] = peer_errors
     write_results(result, cfg.out_dir)
     return result
+
+
+def _timed(temperature: float, concurrency: int, num_prompts: int, tokens: int, wall: float) -> dict:
+    """The fields every record has, specdecode's methods and peers alike, in the order results.json shows them."""
+    return {"temperature": temperature, "concurrency": concurrency, "num_prompts": num_prompts, "output_tokens": tokens,
+            "wall_seconds": round(wall, 4), "tokens_per_second": round(tokens / wall, 2)}
+
+
+def _equal_to_plain(outputs: list[list[int]], baseline_outputs: list) -> str:
+    """'same/total': outputs whose token ids equal plain decoding's, prompt by prompt."""
+    same = sum(o == b.token_ids for o, b in zip(outputs, baseline_outputs))
+    return f"{same}/{len(outputs)}"
 
 
 def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: float, baseline,
@@ -171,11 +179,8 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
             continue
         for row in rows:
             tps = row["tokens"] / row["wall_seconds"]
-            record = {"method": row["method"], "engine": engine, "config": None, "temperature": temperature,
-                      "concurrency": 1, "num_prompts": len(prompts), "output_tokens": row["tokens"],
-                      "wall_seconds": round(row["wall_seconds"], 4), "tokens_per_second": round(tps, 2),
-                      "speedup": round(tps / baseline[0]["tokens_per_second"], 3)}
-            same = sum(o == b.token_ids for o, b in zip(row["outputs"], baseline[1]))
-            record["outputs_equal_to_plain"] = f"{same}/{len(prompts)}"
-            records.append(record)
+            records.append({"method": row["method"], "engine": engine, "config": None,
+                            **_timed(temperature, 1, len(prompts), row["tokens"], row["wall_seconds"]),
+                            "speedup": round(tps / baseline[0]["tokens_per_second"], 3),
+                            "outputs_equal_to_plain": _equal_to_plain(row["outputs"], baseline[1])})
     return records

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from specdecode.bench.prompts import load_prompts
+from specdecode.bench.report import pyplot, save
 from specdecode.server.serve import BackgroundServer
 
 
@@ -107,12 +108,8 @@ def main() -> None:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.5))
     for name in dict.fromkeys(r["config"] for r in rows):
@@ -124,8 +121,7 @@ def _plot(rows: list[dict], path: Path) -> None:
         ax.set_xlabel("concurrent requests")
         ax.set_title(title)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    save(fig, path)
 
 
 if __name__ == "__main__":

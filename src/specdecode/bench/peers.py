@@ -45,16 +45,13 @@ def run_transformers(model_dir: Path, draft_dir: Path | None, prompts: list[str]
         with torch.inference_mode():
             ids = tok(prompts[0], return_tensors="pt").input_ids
             model.generate(ids, **{**kwargs, "max_new_tokens": 8, "min_new_tokens": 8})  # warm-up
-            outputs, total_tokens = [], 0
-            start = time.perf_counter()
-            for i, prompt in enumerate(prompts):
+
+            def complete(i: int, prompt: str) -> list[int]:
                 torch.manual_seed(seed + i)
                 ids = tok(prompt, return_tensors="pt").input_ids
-                out = model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
-                outputs.append(out)
-                total_tokens += len(out)
-            wall = time.perf_counter() - start
-        rows.append({"method": label, "tokens": total_tokens, "wall_seconds": wall, "outputs": outputs})
+                return model.generate(ids, **kwargs)[0, ids.shape[1]:].tolist()
+
+            rows.append(_timed_row(label, complete, prompts))
     return rows
 
 
@@ -104,15 +101,17 @@ def run_llama_cpp(model_dir: Path, draft_dir: Path | None, prompt_ids: list[list
             return out
 
         complete(prompt_ids[0], 8)  # warm-up
-        outputs, total = [], 0
-        start = time.perf_counter()
-        for ids in prompt_ids:
-            out = complete(ids, max_tokens)
-            outputs.append(out)
-            total += len(out)
-        rows.append({"method": label, "tokens": total, "wall_seconds": time.perf_counter() - start, "outputs": outputs})
+        rows.append(_timed_row(label, lambda i, ids: complete(ids, max_tokens), prompt_ids))
         llm.close()
     return rows
+
+
+def _timed_row(label: str, complete, inputs: list) -> dict:
+    """One peer variant's row: `complete(i, input)` -> output token ids for every input, timed together."""
+    start = time.perf_counter()
+    outputs = [complete(i, x) for i, x in enumerate(inputs)]
+    wall = time.perf_counter() - start
+    return {"method": label, "tokens": sum(len(o) for o in outputs), "wall_seconds": wall, "outputs": outputs}
 
 
 def gguf_file(model_dir: Path) -> Path:

@@ -44,14 +44,28 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_plots(result: dict, out_dir: Path) -> list[Path]:
-    """speedup.png (speedup by method and temperature) and acceptance.png (per-position acceptance)."""
+def pyplot():
+    """matplotlib.pyplot on the Agg backend, or None without matplotlib (plots are optional: bench extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:  # plots are optional (bench extra)
+    except ImportError:
+        return None
+    return plt
+
+
+def save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    return path
+
+
+def write_plots(result: dict, out_dir: Path) -> list[Path]:
+    """speedup.png (speedup by method and temperature) and acceptance.png (per-position acceptance)."""
+    plt = pyplot()
+    if plt is None:
         return []
     runs = [r for r in result["runs"] if r["concurrency"] == min(x["concurrency"] for x in result["runs"])]
     methods = list(dict.fromkeys(r["method"] for r in runs if r["method"] != "none"))
@@ -65,9 +79,7 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     ax.set_xticks([i + width * (len(temps) - 1) / 2 for i in range(len(methods))], methods, rotation=20, fontsize=8)
     ax.set_ylabel("speedup vs plain decoding")
     ax.legend()
-    fig.tight_layout()
-    paths = [out_dir / "speedup.png"]
-    fig.savefig(paths[0], dpi=90)
+    paths = [save(fig, out_dir / "speedup.png")]
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for r in runs:
         if r.get("per_position_acceptance"):
@@ -77,9 +89,7 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
     ax.set_ylabel("P(accepted | earlier accepted)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    paths.append(out_dir / "acceptance.png")
-    fig.savefig(paths[1], dpi=90)
+    paths.append(save(fig, out_dir / "acceptance.png"))
     levels = sorted({r["concurrency"] for r in result["runs"]})
     if len(levels) > 1:
         fig, ax = plt.subplots(figsize=(5.5, 3.8))
@@ -94,8 +104,6 @@ def write_plots(result: dict, out_dir: Path) -> list[Path]:
         ax.set_xlabel("concurrent requests")
         ax.set_ylabel("speedup vs plain decoding")
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        paths.append(out_dir / "speedup_vs_concurrency.png")
-        fig.savefig(paths[-1], dpi=90)
+        paths.append(save(fig, out_dir / "speedup_vs_concurrency.png"))
     plt.close("all")
     return paths
