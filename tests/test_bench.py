@@ -5,8 +5,10 @@ import json
 
 import pytest
 
-from specdecode.bench.harness import (BenchConfig, MethodSpec, measure_interleaved, parse_methods, rounds_of, run_bench,
-                                      speedup_interval)
+from specdecode.bench import harness, methods, report, timing
+from specdecode.bench.harness import BenchConfig, run_bench
+from specdecode.bench.methods import MethodSpec, parse_methods
+from specdecode.bench.timing import measure_interleaved, rounds_of, speedup_interval
 from specdecode.errors import ConfigError
 
 
@@ -53,16 +55,69 @@ def test_run_bench_records_everything(native_model, native_drafter, prompt_file,
         assert (out / "speedup.png").is_file() and (out / "speedup_vs_concurrency.png").is_file()
 
 
-def test_repeats_and_rounds_are_timed_and_paired(native_model, prompt_file, tmp_path):
+def test_harness_keeps_the_names_it_had():
+    """cli.py and older scripts import these from specdecode.bench.harness: the same objects."""
+    for module, names in [(methods, ["MethodSpec", "parse_methods"]), (report, ["markdown_table", "write_plots"]),
+                          (timing, ["ROUND_PROMPTS", "Measured", "rounds_of", "measure_interleaved", "speedup_interval"])]:
+        for name in names:
+            assert getattr(harness, name) is getattr(module, name), name
+
+
+def test_repeats_and_rounds_are_timed_and_paired(native_model, prompt_file, tmp_path, monkeypatch):
+    calls = []
+
+    def spy(baseline, method, **kwargs):  # the unrounded round times run_bench resamples
+        calls.append((list(baseline), list(method)))
+        return speedup_interval(baseline, method, **kwargs)
+
+    monkeypatch.setattr(harness, "speedup_interval", spy)
     result = run_bench(BenchConfig(methods=parse_methods("ngram:k=2"), model=str(native_model), prompts=str(prompt_file),
                                    num_prompts=2, max_tokens=4, dtype="float32", repeats=3, out_dir=tmp_path))
     plain, ngram = result["runs"]
     for r in result["runs"]:
         assert len(r["round_seconds"]) == 3 and r["wall_seconds"] == pytest.approx(sum(r["round_seconds"]) / 3, abs=1e-3)
-    lo, hi = ngram["speedup_interval"]
-    assert lo <= sum(plain["round_seconds"]) / sum(ngram["round_seconds"]) <= hi
+    # The interval resamples the two engines' own rounds, paired in the order they ran ...
+    [(baseline, method)] = calls
+    assert [round(w, 4) for w in baseline] == plain["round_seconds"]
+    assert [round(w, 4) for w in method] == ngram["round_seconds"]
+    lo, hi = speedup_interval(baseline, method)
+    assert ngram["speedup_interval"] == [round(lo, 3), round(hi, 3)]
+    # ... so both ends are ratios of paired sums: weighted means of the per-round ratios. (The
+    # observed ratio of sums is not asserted inside: a percentile interval does not promise it,
+    # and the recorded rounds and interval are rounded.)
+    ratios = [b / m for b, m in zip(baseline, method)]
+    assert min(ratios) * (1 - 1e-12) <= lo <= hi <= max(ratios) * (1 + 1e-12)
     with pytest.raises(ConfigError, match="--repeats 0"):
         BenchConfig(methods=[], repeats=0)
+
+
+def test_speedup_interval_resamples_rounds_in_pairs():
+    # Every round 2x faster, rounds of very different lengths: any resample of whole pairs is
+    # exactly 2; resampling baseline and method rounds apart, or pairing a round's baseline
+    # with another round's method time, spreads the interval far from 2.
+    method = [0.1, 3.0, 0.4, 12.0, 0.7]
+    assert speedup_interval([2 * m for m in method], method) == pytest.approx((2.0, 2.0), rel=1e-12)
+    # Per-round ratios 2, 1 and 0.5: a 90% interval strictly inside [0.5, 2] (each all-one-round
+    # resample is 1/27 of them), not a single point.
+    lo, hi = speedup_interval([1.0, 10.0, 100.0], [0.5, 10.0, 200.0])
+    assert 0.5 < lo < hi < 2.0
+
+
+def test_speedup_interval_lies_within_the_per_round_ratios():
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    times = st.floats(1e-3, 1e3, allow_nan=False)
+
+    @settings(max_examples=30, deadline=None)
+    @given(st.lists(st.tuples(times, times), min_size=1, max_size=8))
+    def check(rounds):
+        baseline, method = [b for b, _ in rounds], [m for _, m in rounds]
+        lo, hi = speedup_interval(baseline, method)
+        ratios = [b / m for b, m in rounds]
+        assert min(ratios) * (1 - 1e-12) <= lo <= hi <= max(ratios) * (1 + 1e-12)
+
+    check()
 
 
 def test_a_second_none_is_a_control_engine(native_model, prompt_file, tmp_path):
