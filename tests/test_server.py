@@ -77,6 +77,45 @@ def test_completion_chat_and_stream_equal_offline_greedy(request, server_name, o
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
+@pytest.mark.parametrize("path, extra", [("/v1/completions", {"prompt": PROMPTS[1]}),
+                                         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})])
+def test_stream_and_answer_shapes(spec_server, path, extra):
+    """Byte-level SSE: `data: <json>` events, one choice each, the chat role on the first chunk
+    only, the finish reason on the last one, then usage and spec_decode without choices, then
+    [DONE]; the whole answer has the same id prefix and figures."""
+    chat = "messages" in extra
+    body = {"model": "tiny", "max_tokens": 12, "temperature": 0, "stop": ["ab"], **extra}
+    whole = httpx.post(spec_server.url + path, json=body, timeout=60).json()
+    r = httpx.post(spec_server.url + path, json={**body, "stream": True}, timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = r.text.split("\n\n")
+    assert events[-2:] == ["data: [DONE]", ""] and all(e.startswith("data: {") for e in events[:-2])
+    chunks = [json.loads(e[6:]) for e in events[:-2]]
+    assert r.text == "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+    *content, last = chunks
+    prefix, obj = ("chatcmpl-", "chat.completion.chunk") if chat else ("cmpl-", "text_completion")
+    assert content and {c["id"] for c in chunks} == {chunks[0]["id"]} and chunks[0]["id"].startswith(prefix)
+    assert {(c["object"], c["created"], c["model"]) for c in chunks} == {(obj, chunks[0]["created"], "tiny")}
+    assert all(len(c["choices"]) == 1 and c["choices"][0]["index"] == 0 for c in content)
+    reasons = [c["choices"][0]["finish_reason"] for c in content]
+    assert reasons[:-1] == [None] * (len(content) - 1) and reasons[-1] == whole["choices"][0]["finish_reason"]
+    if chat:
+        deltas = [c["choices"][0]["delta"] for c in content]
+        assert deltas[0].keys() == {"role", "content"} and deltas[0]["role"] == "assistant"
+        assert all(d.keys() == {"content"} for d in deltas[1:])
+        text = "".join(d["content"] for d in deltas)
+        assert whole["object"] == "chat.completion" and whole["choices"][0]["message"] == {"role": "assistant",
+                                                                                          "content": text}
+    else:
+        assert all(c["choices"][0].keys() == {"index", "text", "logprobs", "finish_reason"} for c in content)
+        text = "".join(c["choices"][0]["text"] for c in content)
+        assert whole["object"] == "text_completion" and whole["choices"][0]["text"] == text
+    assert whole["id"].startswith(prefix) and whole["id"] != chunks[0]["id"]
+    assert last.keys() == {"id", "object", "created", "model", "choices", "usage", "spec_decode"} and last["choices"] == []
+    assert last["usage"] == whole["usage"] and last["usage"]["completion_tokens"] >= 1
+    assert last["spec_decode"].keys() == whole["spec_decode"].keys() >= {"num_drafts", "acceptance_rate"}
+
+
 def test_concurrent_requests_disconnects_and_metrics(spec_server, offline):
     srv = spec_server
 

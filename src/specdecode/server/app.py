@@ -31,10 +31,14 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
 
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
                    code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type_, "param": param, "code": code}})
+    return JSONResponse(status_code=status, content=error_body(message, type_, param, code))
 
 
 # ---- request schemas (OpenAI's names; unknown fields are ignored like OpenAI does) ----------
@@ -106,6 +110,56 @@ def _usage(out: RequestOutput) -> dict:
     return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
+def _body(base: dict, choices: list[dict], out: RequestOutput) -> dict:
+    """A response with the finished request's usage and speculative-decoding figures: the whole
+    answer, or the last chunk of a stream (no choices)."""
+    return {**base, "choices": choices, "usage": _usage(out), "spec_decode": _spec_stats(out)}
+
+
+class _Shape:
+    """What one endpoint's answers look like; everything else (admission, streaming, the
+    final usage chunk, [DONE], aborts) is the same for every endpoint."""
+
+    id_prefix: str
+    object: str  # of the whole answer
+    chunk_object: str  # of a streamed chunk
+
+    @staticmethod
+    def choice(text: str, finish_reason: str | None) -> dict:
+        """The choice of the whole answer."""
+        raise NotImplementedError
+
+    @staticmethod
+    def chunk_choice(text: str, finish_reason: str | None, first: bool) -> dict:
+        """The choice of a streamed chunk; `first`: the stream's first chunk."""
+        raise NotImplementedError
+
+
+class _Completion(_Shape):
+    id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+
+    @staticmethod
+    def choice(text, finish_reason):
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    @staticmethod
+    def chunk_choice(text, finish_reason, first):
+        return _Completion.choice(text, finish_reason)
+
+
+class _ChatCompletion(_Shape):
+    id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+
+    @staticmethod
+    def choice(text, finish_reason):
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+
+    @staticmethod
+    def chunk_choice(text, finish_reason, first):
+        delta = {"role": "assistant", "content": text} if first else {"content": text}  # the role comes once
+        return {"index": 0, "delta": delta, "finish_reason": finish_reason}
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
               default_max_tokens: int = 256) -> FastAPI:
     app = FastAPI(title="specdecode", version="0.1.0",
@@ -166,37 +220,40 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     def _sse(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    async def _stream(prompt, params: SamplingParams, make_chunk, make_final):
+    async def _stream(prompt, params: SamplingParams, base: dict, shape: type[_Shape]):
+        """SSE: a chunk per engine step that adds text (held back while it could still be the
+        start of a stop string), the last one with the finish reason, then usage and
+        spec_decode in a chunk without choices, then [DONE]. A client that goes away ends
+        this generator, and with it AsyncEngine.generate, which aborts the request."""
         detok = IncrementalDetokenizer(hold_back=max((len(s) for s in params.stop), default=1) - 1)
+        first = True
         try:
             async for out in engine.generate(prompt, params):
                 delta = detok.delta(out.text, final=out.finished)
                 if delta or out.finished:
-                    yield _sse(make_chunk(delta, out.finish_reason if out.finished else None))
+                    choice = shape.chunk_choice(delta, out.finish_reason if out.finished else None, first)
+                    yield _sse({**base, "choices": [choice]})
+                    first = False
                 if out.finished:
-                    yield _sse(make_final(out))
+                    yield _sse(_body(base, [], out))
         except SpecDecodeError as e:
-            yield _sse({"error": {"message": str(e), "type": "invalid_request_error", "param": None, "code": None}})
+            yield _sse(error_body(str(e)))
         yield "data: [DONE]\n\n"
+
+    async def _respond(prompt, params: SamplingParams, stream: bool, shape: type[_Shape]):
+        base = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "object": shape.chunk_object if stream else shape.object,
+                "created": int(time.time()), "model": served_model_name}
+        if stream:
+            return StreamingResponse(_stream(prompt, params, base, shape), media_type="text/event-stream")
+        out = await _run(prompt, params)
+        return _body(base, [shape.choice(out.text, out.finish_reason)], out)
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
         _check_model(req.model)
         params = _sampling_params(req, default_max_tokens)
         prompt = _admit(_completion_prompt(req.prompt), params)
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "text_completion", "created": created, "model": served_model_name}
-        if req.stream:
-            def chunk(text, reason):
-                return {**base, "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": reason}]}
-
-            def final(out):
-                return {**base, "choices": [], "usage": _usage(out), "spec_decode": _spec_stats(out)}
-
-            return StreamingResponse(_stream(prompt, params, chunk, final), media_type="text/event-stream")
-        out = await _run(prompt, params)
-        return {**base, "choices": [{"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}],
-                "usage": _usage(out), "spec_decode": _spec_stats(out)}
+        return await _respond(prompt, params, req.stream, _Completion)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
@@ -204,25 +261,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         params = _sampling_params(req, default_max_tokens)
         text = llm.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
         prompt = _admit(text, params)
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-        base = {"id": rid, "object": "chat.completion.chunk" if req.stream else "chat.completion",
-                "created": created, "model": served_model_name}
-        if req.stream:
-            first = [True]
-
-            def chunk(text, reason):
-                delta = {"role": "assistant", "content": text} if first[0] else {"content": text}
-                first[0] = False
-                return {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
-
-            def final(out):
-                return {**base, "choices": [], "usage": _usage(out), "spec_decode": _spec_stats(out)}
-
-            return StreamingResponse(_stream(prompt, params, chunk, final), media_type="text/event-stream")
-        out = await _run(prompt, params)
-        return {**base, "choices": [{"index": 0, "message": {"role": "assistant", "content": out.text},
-                                     "finish_reason": out.finish_reason}],
-                "usage": _usage(out), "spec_decode": _spec_stats(out)}
+        return await _respond(prompt, params, req.stream, _ChatCompletion)
 
     @app.get("/v1/models")
     async def models():
