@@ -58,8 +58,7 @@ class AsyncEngine:
             request_id = f"req-{self._counter}"
         out_queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
-        self._commands.put(("add", request_id, prompt, params))
-        self._wake.set()
+        self._send("add", request_id, prompt, params)
         finished = False
         try:
             while True:
@@ -72,9 +71,13 @@ class AsyncEngine:
                     return
         finally:
             if not finished:  # client went away (or the handler failed): free the slot
-                self._commands.put(("abort", request_id))
-                self._wake.set()
+                self._send("abort", request_id)
             self._streams.pop(request_id, None)
+
+    def _send(self, *command) -> None:
+        """A command for the engine thread, applied before its next step."""
+        self._commands.put(command)
+        self._wake.set()
 
     # ---- engine thread ---------------------------------------------------------------------
 

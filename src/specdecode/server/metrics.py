@@ -22,6 +22,17 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 P = "specdecode:"
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+COUNTS = ("drafts", "draft_tokens", "accepted", "generated")  # cumulative per request, counted by deltas
+
+
+def _totals(m) -> dict:
+    """A request's cumulative figures so far (COUNTS and accepted tokens per draft position)."""
+    return {"drafts": m.num_drafts, "draft_tokens": m.num_draft_tokens, "accepted": m.num_accepted_tokens,
+            "generated": m.num_output_tokens, "per_pos": list(m.accepted_per_position)}
+
+
+def _zero() -> dict:
+    return {**dict.fromkeys(COUNTS, 0), "per_pos": []}
 
 
 class ServerMetrics:
@@ -50,34 +61,32 @@ class ServerMetrics:
         self.running = Gauge(P + "num_requests_running", "Requests in the running batch", ["model_name"], registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a KV slot", ["model_name"], registry=r)
         self.labels = labels
-        self._seen: dict[str, dict] = {}  # request_id -> cumulative figures already counted
-        self._interval = {"t": time.monotonic(), "drafts": 0, "draft_tokens": 0, "accepted": 0, "generated": 0,
-                          "per_pos": []}
+        self._counters = {"drafts": self.num_drafts, "draft_tokens": self.num_draft_tokens,
+                          "accepted": self.num_accepted_tokens, "generated": self.generation_tokens}
+        self._seen: dict[str, dict] = {}  # request_id -> cumulative figures already counted (_totals)
+        self._interval = {"t": time.monotonic(), **_zero()}  # figures since the last log line
 
     def observe_step(self, llm, outputs) -> None:
         lab = self.labels
         for out in outputs:
             m = out.metrics
+            now = _totals(m)
             prev = self._seen.get(out.request_id)
             if prev is None:
-                prev = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_pos": [], "generated": 0}
+                prev = _zero()
                 self.prompt_tokens.labels(**lab).inc(m.num_prompt_tokens)
                 if m.time_to_first_token is not None:
                     self.ttft.labels(**lab).observe(m.time_to_first_token)
-            delta = {"drafts": m.num_drafts - prev["drafts"], "draft_tokens": m.num_draft_tokens - prev["draft_tokens"],
-                     "accepted": m.num_accepted_tokens - prev["accepted"],
-                     "generated": m.num_output_tokens - prev["generated"]}
-            self.num_drafts.labels(**lab).inc(delta["drafts"])
-            self.num_draft_tokens.labels(**lab).inc(delta["draft_tokens"])
-            self.num_accepted_tokens.labels(**lab).inc(delta["accepted"])
-            self.generation_tokens.labels(**lab).inc(delta["generated"])
-            per_pos_prev = prev["per_pos"] + [0] * (len(m.accepted_per_position) - len(prev["per_pos"]))
-            per_pos_delta = [a - b for a, b in zip(m.accepted_per_position, per_pos_prev)]
+            delta = {key: now[key] - prev[key] for key in COUNTS}
+            for key, counter in self._counters.items():
+                counter.labels(**lab).inc(delta[key])
+            per_pos_prev = prev["per_pos"] + [0] * (len(now["per_pos"]) - len(prev["per_pos"]))
+            per_pos_delta = [a - b for a, b in zip(now["per_pos"], per_pos_prev)]
             for pos, d in enumerate(per_pos_delta):
                 if d:
                     self.accepted_per_pos.labels(**lab, position=str(pos)).inc(d)
             iv = self._interval
-            for key in ("drafts", "draft_tokens", "accepted", "generated"):
+            for key in COUNTS:
                 iv[key] += delta[key]
             iv["per_pos"] += [0] * (len(per_pos_delta) - len(iv["per_pos"]))
             for pos, d in enumerate(per_pos_delta):
@@ -90,9 +99,7 @@ class ServerMetrics:
                 if m.time_to_first_token is not None and m.num_output_tokens > 1:
                     self.tpot.labels(**lab).observe((m.e2e_latency - m.time_to_first_token) / (m.num_output_tokens - 1))
             else:
-                self._seen[out.request_id] = {"drafts": m.num_drafts, "draft_tokens": m.num_draft_tokens,
-                                              "accepted": m.num_accepted_tokens, "per_pos": list(m.accepted_per_position),
-                                              "generated": m.num_output_tokens}
+                self._seen[out.request_id] = now
         self.running.labels(**lab).set(len(llm.scheduler.running))
         self.waiting.labels(**lab).set(len(llm.scheduler.waiting))
 
@@ -116,8 +123,7 @@ class ServerMetrics:
                      f"{iv['draft_tokens'] / dt:.1f} tok/s, accepted {iv['accepted']}, drafted {iv['draft_tokens']}, "
                      f"per-position acceptance rate {', '.join(f'{x:.3f}' for x in per_pos)}, "
                      f"avg draft acceptance rate {iv['accepted'] / max(1, iv['draft_tokens']):.1%}")
-        self._interval = {"t": time.monotonic(), "drafts": 0, "draft_tokens": 0, "accepted": 0, "generated": 0,
-                          "per_pos": []}
+        self._interval = {"t": time.monotonic(), **_zero()}
         return line
 
     def render(self) -> bytes:
