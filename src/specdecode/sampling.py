@@ -13,10 +13,12 @@ tokens do not depend on the rest of the batch.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.config import SamplingParams
+if TYPE_CHECKING:
+    from specdecode.config import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)
@@ -29,7 +31,7 @@ class SamplingBatch:
     needs_filter: bool  # some row uses top-k or top-p (decided on the host, no sync)
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], device) -> "SamplingBatch":
+    def build(cls, params: "list[SamplingParams]", generators: list[torch.Generator | None], device) -> "SamplingBatch":
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),

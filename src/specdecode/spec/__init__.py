@@ -23,7 +23,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     "tree": (f"{_NEW}.verify.tree", f"{_NEW}.verify.kv", f"{_NEW}.propose.static_tree"),
     "depth": tuple(f"{_NEW}.policy.{m}" for m in ("controller", "guard", "estimators", "rules")),
     "cost_model": (f"{_NEW}.policy.cost_model",),
-    "drafters": (_DRAFTERS,),
+    "drafters": (f"{_NEW}.propose.builtin", _DRAFTERS),
     "drafters.chain": (f"{_NEW}.propose.chain",),
     "drafters.features": (f"{_NEW}.propose.features",),
     "drafters.checkpoint": ("specdecode.models.checkpoint",),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-import specdecode.speculative.propose.drafters  # noqa: F401  (registers the built-in methods)
+import specdecode.speculative.propose.builtin  # noqa: F401  (registers the built-in methods)
 from specdecode.errors import ConfigError
 from specdecode.speculative.propose.registry import PROPOSERS
 

@@ -2,7 +2,7 @@
 
 A method registers with `@register("name")`; the speculator builds whatever
 `speculative_config.method` names and never branches on it. Importing
-`specdecode.speculative.propose.drafters` registers the built-in methods.
+`specdecode.speculative.propose.builtin` registers the built-in methods.
 """
 
 from __future__ import annotations
