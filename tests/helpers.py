@@ -168,3 +168,21 @@ def verify_against_the_drafter(verify):
         return verify(draft_ids, num_draft, draft_probs, wrong, sampling)
 
     return broken
+
+
+class Interrupted(Exception):
+    """What `interrupt_after` raises: a training run killed right after a checkpoint."""
+
+
+def interrupt_after(monkeypatch, stop_step: int) -> None:
+    """Checkpoint saves go through; right after the one of `stop_step` the run dies."""
+    from specdecode.train.common import Checkpointer
+
+    save = Checkpointer.save
+
+    def save_then_die(self, model, optimizer, data_gen, step):
+        save(self, model, optimizer, data_gen, step)
+        if step == stop_step:
+            raise Interrupted
+
+    monkeypatch.setattr(Checkpointer, "save", save_then_die)

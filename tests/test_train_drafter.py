@@ -8,28 +8,12 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from helpers import Interrupted, interrupt_after
 from safetensors.torch import load_file
 
 from specdecode import LLM, SamplingParams
 from specdecode.cli import build_parser
-from specdecode.train.common import Checkpointer
 from specdecode.train.drafter import DrafterTrainConfig, train_drafter
-
-
-class Interrupted(Exception):
-    pass
-
-
-def interrupt_after(monkeypatch, stop_step: int) -> None:
-    """Checkpoint saves go through; right after the one of `stop_step` the run dies."""
-    save = Checkpointer.save
-
-    def save_then_die(self, model, optimizer, data_gen, step):
-        save(self, model, optimizer, data_gen, step)
-        if step == stop_step:
-            raise Interrupted
-
-    monkeypatch.setattr(Checkpointer, "save", save_then_die)
 
 
 @pytest.fixture()

@@ -13,13 +13,15 @@ def _add_config_flags(p, cls, flags: dict[str, str] | None = None) -> None:
     taken from the field (metadata "help" and "choices"): the dataclass is the one source of
     defaults. `flags` renames a field's flag (field -> flag name without dashes); bool fields
     are store_true, the others take the field's type (int, float, str, Path). A field without a
-    default is a required flag."""
+    default is a required flag. The fields `cls` inherits (train/common.py's TrainRunConfig,
+    the optimiser and run fields) come after its own, each group in declaration order."""
     import dataclasses
     import types
     import typing
 
     hints = typing.get_type_hints(cls)
-    for field in dataclasses.fields(cls):
+    inherited = {f.name for base in cls.__mro__[1:] if dataclasses.is_dataclass(base) for f in dataclasses.fields(base)}
+    for field in sorted(dataclasses.fields(cls), key=lambda f: f.name in inherited):
         name = (flags or {}).get(field.name, field.name.replace("_", "-"))
         kind = hints[field.name]
         if typing.get_origin(kind) in (typing.Union, types.UnionType):

@@ -9,12 +9,33 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import Tokenizer
+
+from specdecode.train import corpus
+from specdecode.train.tokenizer_train import EOS_TOKEN
 
 
 def option(default=dataclasses.MISSING, help: str = "", **extra):
     """A training-config field documented by its metadata: `help` (and `choices` where the
     values are a closed set) become the `--flag`'s help in the CLI (cli.py)."""
     return dataclasses.field(default=default, metadata={"help": help, **extra})
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class TrainRunConfig:
+    """The optimiser, schedule and run fields of every training config (PretrainConfig,
+    DrafterTrainConfig). A subclass redeclares a field only where its default or help differs;
+    keyword-only, so the subclasses' own fields (some without a default) may follow these."""
+
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = option(30, "linear warm-up steps")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    grad_clip: float = option(1.0, "gradient-norm clipping threshold")
+    seed: int = option(0, "seed of the initialisation and of the data order")
+    checkpoint_minutes: float = option(5.0, "minutes between checkpoints in WORK_DIR (one more at the end)")
+    dtype: str = option("bfloat16", "autocast dtype", choices=("bfloat16", "float32"))
+    device: str = option("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
 
 def cosine_lr(step: int, max_steps: int, warmup_steps: int, peak: float, min_ratio: float) -> float:
@@ -34,11 +55,6 @@ def sample_windows(tokens: np.ndarray, batch: int, length: int, gen: torch.Gener
 
 def tokenize_corpus(tokenizer_json: Path, cache: Path) -> tuple[np.ndarray, np.ndarray]:
     """(train, validation) token arrays of the stdlib corpus (train/corpus.py), cached as .npz."""
-    from tokenizers import Tokenizer
-
-    from specdecode.train import corpus
-    from specdecode.train.tokenizer_train import EOS_TOKEN
-
     if cache.is_file():
         data = np.load(cache)
         return data["train"], data["val"]

@@ -11,14 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import shlex
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specdecode.defaults import default_model_dir
 from specdecode.device import resolve_device
 from specdecode.models.loader import load_model
-from specdecode.train.common import Checkpointer, option, tokenize_corpus
+from specdecode.tokenizer import Tokenizer
+from specdecode.train.common import Checkpointer, TrainRunConfig, option, tokenize_corpus
+from specdecode.train.generated_data import generate_dataset
 from specdecode.train.loop import run_loop
 from specdecode.train.recipes import RECIPES, DrafterRecipe
 from specdecode.train.recipes.base import distill_loss, target_logits  # noqa: F401
@@ -43,10 +48,11 @@ DATA_HELP = (
 )
 
 
-@dataclasses.dataclass(slots=True)
-class DrafterTrainConfig:
+@dataclasses.dataclass(slots=True, kw_only=True)
+class DrafterTrainConfig(TrainRunConfig):
     """Defaults are the ones every shipped drafter was trained with, except for the flags
-    its training_report.json `command` names (e.g. --context 512, --max-steps)."""
+    its training_report.json `command` names (e.g. --context 512, --max-steps). The optimiser
+    and run fields (lr, warm-up, weight decay, clipping, checkpoints, device) are TrainRunConfig's."""
 
     method: str = option(help="which drafter to train", choices=tuple(RECIPES))
     target: Path | None = option(None, "target checkpoint dir (default: the embedded model)")
@@ -56,18 +62,12 @@ class DrafterTrainConfig:
     max_steps: int = option(600, "optimizer steps (the cosine schedule spans them)")
     batch_size: int = option(4, "windows per step")
     context: int = option(1024, "window length in tokens")
-    lr: float = option(1e-3, "peak learning rate")
-    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
-    warmup_steps: int = option(30, "linear warm-up steps")
-    weight_decay: float = option(0.0, "AdamW weight decay")
-    grad_clip: float = option(1.0, "gradient-norm clipping threshold")
-    seed: int = option(0, "seed of the initialisation, the data order and the random anchors")
-    checkpoint_minutes: float = option(5.0, "minutes between checkpoints in WORK_DIR (one more at the end)")
     eval_windows: int = option(16, "fixed validation windows for the agreement figures (and DSpark's calibration)")
-    dtype: str = option("bfloat16", "autocast dtype for target and drafter", choices=("bfloat16", "float32"))
-    device: str = option("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
     data: str = option("corpus", DATA_HELP, choices=("corpus", "generated"))
     generated_sequences: int = option(2000, "with --data generated: how many sequences")
+    # TrainRunConfig's, with the help a drafter's run needs
+    seed: int = option(0, "seed of the initialisation, the data order and the random anchors")
+    dtype: str = option("bfloat16", "autocast dtype for target and drafter", choices=("bfloat16", "float32"))
     # draft_model shape
     num_layers: int = option(2, "draft_model: decoder layers")
     intermediate_size: int = option(512, "draft_model: MLP width")
@@ -85,8 +85,6 @@ class DrafterTrainConfig:
         if self.data not in ("corpus", "generated"):
             raise ValueError(f"--data {self.data!r}: accepted: corpus, generated")
         if self.target is None:
-            from specdecode.defaults import default_model_dir
-
             self.target = default_model_dir()
         self.target = Path(self.target)
         suffix = {"draft_model": "draft"}.get(self.method, self.method)
@@ -96,9 +94,6 @@ class DrafterTrainConfig:
 
 def invocation() -> str | None:
     """The command line that is running, as typed (None when not run from the CLI)."""
-    import shlex
-    import sys
-
     name = Path(sys.argv[0]).name
     return shlex.join(["specdecode", *sys.argv[1:]]) if name == "specdecode" else None
 
@@ -131,9 +126,6 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     target = load_model(cfg.target, torch.float32, device)
     train_tokens, val_tokens = tokenize_corpus(cfg.target / "tokenizer.json", cfg.work_dir / "tokens.npz")
     if cfg.data == "generated":
-        from specdecode.tokenizer import Tokenizer
-        from specdecode.train.generated_data import generate_dataset
-
         train_tokens = generate_dataset(cfg.target, train_tokens, cfg.work_dir / "generated.npz", cfg.generated_sequences,
                                         eos_id=Tokenizer(cfg.target).eos_token_id, seed=cfg.seed)
     torch.manual_seed(cfg.seed)

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from specdecode import LLM, SamplingParams
+
 log = logging.getLogger(__name__)
 
 
@@ -23,8 +25,6 @@ def generate_dataset(target_dir: Path, corpus_tokens: np.ndarray, out: Path, num
                      continuation_len: int = 256, temperature: float = 0.8, batch_size: int = 16, seed: int = 0,
                      eos_id: int | None = None) -> np.ndarray:
     """[total] uint16 tokens: prompt + continuation per sequence, separated by EOS (when given)."""
-    from specdecode import LLM, SamplingParams
-
     done: list[np.ndarray] = []
     if out.is_file():
         done = list(np.load(out, allow_pickle=False).values())

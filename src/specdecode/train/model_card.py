@@ -14,6 +14,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+from specdecode import LLM, SamplingParams
+from specdecode.bench.prompts import load_prompts
+
 
 def _size(model_dir: Path) -> tuple[int, float]:
     path = model_dir / "model.safetensors"
@@ -32,9 +35,6 @@ def _prod(shape) -> int:
 
 
 def greedy_samples(model_dir: Path, num: int = 3, max_tokens: int = 64) -> list[tuple[str, str]]:
-    from specdecode import LLM, SamplingParams
-    from specdecode.bench.prompts import load_prompts
-
     llm = LLM(model_dir, dtype="float32")
     prompts = load_prompts("humaneval", num)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))

@@ -19,23 +19,25 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from tokenizers import Tokenizer
 
 from specdecode.device import resolve_device
 from specdecode.models.checkpoint import save_checkpoint
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import LlamaForCausalLM
 from specdecode.train import corpus
-from specdecode.train.common import Checkpointer, option, tokenize_corpus
+from specdecode.train.common import Checkpointer, TrainRunConfig, option, tokenize_corpus
 from specdecode.train.loop import run_loop
 from specdecode.train.tokenizer_train import EOS_TOKEN, PAD_TOKEN, save_tokenizer, train_tokenizer
 
 log = logging.getLogger(__name__)
 
 
-@dataclasses.dataclass(slots=True)
-class PretrainConfig:
+@dataclasses.dataclass(slots=True, kw_only=True)
+class PretrainConfig(TrainRunConfig):
     """Defaults are those that built the shipped models/stdlib-code-22m (its README and
-    training_report.json): 6 layers, 1200 steps of 8 x 1024 tokens, peak lr 1e-3, 50 warm-up steps."""
+    training_report.json): 6 layers, 1200 steps of 8 x 1024 tokens, peak lr 1e-3, 50 warm-up steps.
+    The optimiser and run fields (lr, clipping, checkpoints, dtype, device) are TrainRunConfig's."""
 
     out_dir: Path = option(Path("models/stdlib-code-22m"), "export directory (HF layout)")
     work_dir: Path = option(Path("runs/train-target"), "checkpoints, tokenizer and token cache (not committed)")
@@ -51,16 +53,10 @@ class PretrainConfig:
     context: int = option(1024, "training window = model context length")
     batch_size: int = option(8, "windows of CONTEXT tokens per step")
     max_steps: int = option(1200, "optimizer steps (the cosine schedule spans them)")
-    lr: float = option(1e-3, "peak learning rate")
-    min_lr_ratio: float = option(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    eval_batches: int = option(16, "validation batches of BATCH_SIZE windows for the final loss")
+    # TrainRunConfig's, with the shipped model's values
     warmup_steps: int = option(50, "linear warm-up steps")
     weight_decay: float = option(0.1, "AdamW weight decay of matrices (norms and biases: none)")
-    grad_clip: float = option(1.0, "gradient-norm clipping threshold")
-    seed: int = option(0, "seed of the initialisation and of the data order")
-    checkpoint_minutes: float = option(5.0, "minutes between checkpoints in WORK_DIR (one more at the end)")
-    eval_batches: int = option(16, "validation batches of BATCH_SIZE windows for the final loss")
-    dtype: str = option("bfloat16", "autocast dtype", choices=("bfloat16", "float32"))
-    device: str = option("auto", "auto (CUDA when present), cpu, cuda, cuda:N")
 
     def __post_init__(self) -> None:
         self.out_dir, self.work_dir = Path(self.out_dir), Path(self.work_dir)
@@ -89,8 +85,6 @@ class PretrainConfig:
 
 def prepare_data(cfg: PretrainConfig):
     """Tokenizer (trained on the train split) + token arrays, cached in work_dir for --resume."""
-    from tokenizers import Tokenizer
-
     tok_dir = cfg.work_dir / "tokenizer"
     if not (tok_dir / "tokenizer.json").is_file():
         train_files, val_files = corpus.split_files(corpus.iter_stdlib_files())
@@ -179,8 +173,6 @@ def _init_weights(model: LlamaForCausalLM, mcfg: ModelConfig) -> None:
 def export_checkpoint(model: LlamaForCausalLM, mcfg: ModelConfig, tokenizer_dir: Path, out_dir: Path, report: dict) -> None:
     """HF layout: config.json, model.safetensors (bf16; a tied LM head is not stored), tokenizer
     files, generation_config.json, training_report.json (models/checkpoint.py writes them)."""
-    from tokenizers import Tokenizer
-
     state = {k: v for k, v in model.state_dict().items() if not (mcfg.tie_word_embeddings and k == "lm_head.weight")}
     pad_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(PAD_TOKEN)
     generation = {"eos_token_id": mcfg.eos_token_id, "pad_token_id": pad_id, "do_sample": False}

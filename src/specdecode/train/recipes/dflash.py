@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdecode.models.llama import LlamaForCausalLM
+from specdecode.models.llama import AttentionBatch, KVCache, LlamaForCausalLM
+from specdecode.speculative.propose.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_target_layers, save_dflash
+from specdecode.tokenizer import Tokenizer
 from specdecode.train.recipes.base import DrafterRecipe
 
 if TYPE_CHECKING:
@@ -16,9 +18,6 @@ if TYPE_CHECKING:
 
 
 def build_dflash(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
-    from specdecode.speculative.propose.drafters.dflash.model import DFlashConfig, DFlashDrafter, default_target_layers
-    from specdecode.tokenizer import Tokenizer
-
     tc = target.config
     mask_id = Tokenizer(cfg.target).mask_token_id
     if mask_id is None:
@@ -52,8 +51,6 @@ def _block_states(drafter, target: LlamaForCausalLM, window: torch.Tensor, ancho
     [B, n, d], the target's logits at a + j - 1 (its distribution of token a + j) [B, n, V],
     j [n], and the true previous token x_{a+j-1} [B, n] (DSpark's Markov head input).
     Random anchors come from the global torch RNG (saved in training checkpoints)."""
-    from specdecode.models.llama import AttentionBatch, KVCache
-
     B, T = window.shape
     block = drafter.cfg.block_size
     device = window.device
@@ -109,8 +106,6 @@ def dflash_predict(drafter, target, window):
 
 
 def export_dflash(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.speculative.propose.drafters.dflash.model import save_dflash
-
     save_dflash(drafter, cfg.out_dir, cfg.target, report)
 
 

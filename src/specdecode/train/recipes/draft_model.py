@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.models.checkpoint import save_checkpoint
 from specdecode.models.llama import LlamaForCausalLM
 from specdecode.train.recipes.base import DrafterRecipe, distill_loss, target_logits
 
@@ -54,8 +55,6 @@ def draft_model_loss(drafter, target, window) -> torch.Tensor:
 
 
 def export_draft_model(drafter: LlamaForCausalLM, target: LlamaForCausalLM, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.models.checkpoint import save_checkpoint
-
     state = {k: v for k, v in drafter.state_dict().items() if k != "lm_head.weight"}  # tied
     save_checkpoint(state, drafter.config.to_hf_dict(), cfg.out_dir, cfg.target, report)
 

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.models.llama import LlamaForCausalLM
+from specdecode.speculative.propose.drafters.dspark.model import DSparkConfig, DSparkDrafter, save_dspark
 from specdecode.train.common import sample_windows
 from specdecode.train.recipes.base import DrafterRecipe
 from specdecode.train.recipes.dflash import _block_states, anchors_per_window, build_dflash, position_weighted
@@ -19,8 +20,6 @@ if TYPE_CHECKING:
 
 
 def build_dspark(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
-    from specdecode.speculative.propose.drafters.dspark.model import DSparkConfig, DSparkDrafter
-
     backbone = build_dflash(target, cfg)
     drafter = DSparkDrafter(DSparkConfig(backbone.cfg, cfg.markov_rank), target.config.vocab_size)
     drafter.load_state_dict(backbone.state_dict(), strict=False)
@@ -96,8 +95,6 @@ def expected_calibration_error(predicted: torch.Tensor, actual: torch.Tensor, bi
 
 
 def export_dspark(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.speculative.propose.drafters.dspark.model import save_dspark
-
     save_dspark(drafter, cfg.out_dir, cfg.target, report)
 
 

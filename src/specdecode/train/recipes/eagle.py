@@ -16,7 +16,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from specdecode.models.llama import LlamaForCausalLM
+from specdecode.models.llama import AttentionBatch, LlamaForCausalLM
+from specdecode.speculative.propose.drafters.eagle.checkpoint import save_drafter
+from specdecode.speculative.propose.drafters.eagle.model import EagleConfig, build_drafter, default_aux_layers
 from specdecode.train.recipes.base import DrafterRecipe, soft_ce
 
 if TYPE_CHECKING:
@@ -24,8 +26,6 @@ if TYPE_CHECKING:
 
 
 def _build(target: LlamaForCausalLM, cfg: DrafterTrainConfig, aux_layers: tuple[int, ...], draft_vocab: int):
-    from specdecode.speculative.propose.drafters.eagle.model import EagleConfig, build_drafter
-
     layer = dataclasses.replace(target.config, num_hidden_layers=1)
     drafter = build_drafter(EagleConfig(cfg.method, layer, aux_layers, draft_vocab))
     with torch.no_grad():
@@ -51,8 +51,6 @@ def build_eagle(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=
 
 def build_eagle3(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
     """EAGLE-3: low / mid / high taps and a reduced draft vocabulary of the most frequent corpus tokens."""
-    from specdecode.speculative.propose.drafters.eagle.model import default_aux_layers
-
     tc = target.config
     draft_vocab = min(cfg.draft_vocab_size, tc.vocab_size)
     drafter = _build(target, cfg, default_aux_layers(tc.num_hidden_layers), draft_vocab)
@@ -86,8 +84,6 @@ def _eagle_unroll(drafter, target: LlamaForCausalLM, window: torch.Tensor, steps
     drafter's own step-(j-1) output after that, at drafter position t+j-1, attending as at
     inference (`ttt_mask`). Each step's keys go into a fresh concatenated cache, so autograd sees
     no in-place change of anything an earlier step saved."""
-    from specdecode.models.llama import AttentionBatch
-
     B, T = window.shape
     device = window.device
     taps = drafter.feature_taps(target.config, drafter.cfg.aux_layers)
@@ -141,8 +137,6 @@ def eagle_predict(drafter, target, window):
 
 
 def export_eagle(drafter, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.speculative.propose.drafters.eagle.checkpoint import save_drafter
-
     save_drafter(drafter, cfg.out_dir, cfg.target, report)
 
 

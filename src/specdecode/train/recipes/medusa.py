@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdecode.models.llama import LlamaForCausalLM
+from specdecode.speculative.propose.drafters.medusa.model import MedusaHeads, save_heads
 from specdecode.train.recipes.base import DrafterRecipe, soft_ce
 
 if TYPE_CHECKING:
@@ -14,8 +15,6 @@ if TYPE_CHECKING:
 
 
 def build_medusa(target: LlamaForCausalLM, cfg: DrafterTrainConfig, train_tokens=None):
-    from specdecode.speculative.propose.drafters.medusa.model import MedusaHeads
-
     return MedusaHeads(target.config.hidden_size, cfg.medusa_heads)
 
 
@@ -45,8 +44,6 @@ def medusa_predict(heads, target, window):
 
 
 def export_medusa(heads, target, cfg: DrafterTrainConfig, report: dict) -> None:
-    from specdecode.speculative.propose.drafters.medusa.model import save_heads
-
     save_heads(heads, cfg.out_dir, cfg.target, report)
 
 
