@@ -27,7 +27,7 @@ from specdecode.engine.step_output import StepOutput
 from specdecode.errors import ConfigError
 from specdecode.sampling import SamplingBatch, sample
 from specdecode.speculative.config import SpeculativeConfig
-from specdecode.speculative.policy.controller import DepthController, StepPlan
+from specdecode.speculative.policy.controller import DepthController
 from specdecode.speculative.policy.cost_model import load_or_profile
 from specdecode.speculative.propose.proposer import Draft, Proposer, ProposerContext
 from specdecode.speculative.propose.registry import PROPOSERS
