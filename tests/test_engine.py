@@ -148,3 +148,90 @@ def test_bfloat16_weights_give_the_float32_model_within_rounding(native_model):
     assert decisive.any() and torch.equal(low.argmax(-1)[decisive], high.argmax(-1)[decisive])
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert len(bf16.generate(prompt, params)[0].token_ids) == 8
+
+
+# ---- bounded, validated parameters ------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [
+    dict(max_tokens=True), dict(top_k=True), dict(temperature=True), dict(top_p=True), dict(seed=False),
+    dict(stop_token_ids=[True]), dict(ignore_eos="yes"),
+    dict(temperature=float("inf")), dict(temperature=float("nan")), dict(temperature=10 ** 400),
+    dict(top_p=float("nan")), dict(top_p=float("inf")),
+    dict(top_k=2 ** 31), dict(top_k=2 ** 63), dict(top_k=-2), dict(top_k=1.5),
+    dict(seed=-1), dict(seed=2 ** 64), dict(seed=1.0),
+    dict(stop=["x"] * 65), dict(stop=["x" * 1025]), dict(stop=[""]), dict(stop=[3]), dict(stop=7),
+    dict(stop_token_ids=[-1]), dict(stop_token_ids=5),
+], ids=repr)
+def test_sampling_params_refuse_what_they_cannot_serve(bad):
+    key = next(iter(bad))
+    with pytest.raises(InvalidRequestError, match=rf"^invalid {key}=.*: expected "):
+        SamplingParams(**bad)
+
+
+def test_sampling_params_at_their_bounds_are_served(native_model):
+    llm = LLM(native_model, dtype="float32")
+    prompt = {"prompt_token_ids": PROMPTS[1]}
+    greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0].token_ids
+    # A top_k above the vocabulary keeps every token: the same draws as no top_k at all.
+    widest = SamplingParams(temperature=1.0, top_k=2 ** 31 - 1, max_tokens=6, seed=2 ** 64 - 1, ignore_eos=True)
+    unfiltered = SamplingParams(temperature=1.0, max_tokens=6, seed=2 ** 64 - 1, ignore_eos=True)
+    assert llm.generate(prompt, widest)[0].token_ids == llm.generate(prompt, unfiltered)[0].token_ids
+    logits = torch.randn(2, 50)
+    batch = SamplingBatch.build([widest, unfiltered], [None, None], "cpu")
+    torch.testing.assert_close(process_logits(logits, batch), logits.softmax(-1))
+    # A temperature too small to divide by in float32 is an exact argmax, as 0 is.
+    for tiny in (1e-6, 1e-40, 5e-324):
+        params = SamplingParams(temperature=tiny, max_tokens=6, ignore_eos=True)
+        assert params.greedy and llm.generate(prompt, params)[0].token_ids == greedy
+    many = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=[chr(0x4E00 + i) * 1024 for i in range(64)])
+    assert llm.generate(prompt, many)[0].token_ids == greedy
+    assert SamplingParams(stop=None, stop_token_ids=None, top_k=-1).stop == [] and SamplingParams(top_k=-1).top_k == 0
+
+
+def test_bad_requests_are_invalid_request_errors(native_model):
+    llm = LLM(native_model, dtype="float32")
+    cases = [
+        (lambda: llm.generate(123), "prompts must be a prompt .* or a list of prompts; got int"),
+        (lambda: llm.generate(None), "got NoneType"),
+        (lambda: llm.generate([123]), "a prompt is a string or a dict.*got int"),
+        (lambda: llm.generate([b"bytes"]), "got bytes"),
+        (lambda: llm.generate({"text": "no ids"}), "got dict"),
+        (lambda: llm.generate("\ud800 lone"), r"not valid Unicode text: it holds a lone surrogate \('\\ud800'\) at "
+                                              "character 0"),
+        (lambda: llm.generate({"prompt_token_ids": [5], "prompt": "x\udfff"}), "lone surrogate"),
+        (lambda: llm.generate({"prompt_token_ids": [5], "prompt": 5}), "must be a string"),
+        (lambda: llm.generate({"prompt_token_ids": [True, 5]}), "list of integers"),
+        (lambda: llm.generate({"prompt_token_ids": (5, 6)}), "list of integers"),
+        (lambda: llm.generate("hi", {"max_tokens": 3}), "sampling_params must be a SamplingParams"),
+        (lambda: llm.generate("hi", [{"max_tokens": 3}]), "sampling_params must be a SamplingParams, got dict"),
+        (lambda: llm.generate("hi", SamplingParams(stop_token_ids=[320])), r"stop_token_ids.*\[0, 320\); got 320"),
+        (lambda: llm.add_request("hi", request_id=7), "request_id must be a string"),
+    ]
+    for call, message in cases:
+        with pytest.raises(InvalidRequestError, match=message):
+            call()
+    llm.add_request("hi", request_id="same")
+    with pytest.raises(InvalidRequestError, match="'same' is already waiting or running"):
+        llm.add_request("hi", request_id="same")
+    llm.abort("same")
+    assert not llm.has_unfinished()
+    assert llm.generate("hi", SamplingParams(max_tokens=2, stop_token_ids=[319]))[0].finished
+
+
+def test_engine_settings_are_config_errors(native_model, monkeypatch):
+    with pytest.raises(ConfigError, match=r"max_model_len=300 exceeds this model's context \(max_position_embeddings=256\)"):
+        LLM(native_model, dtype="float32", max_model_len=300)
+    assert LLM(native_model, dtype="float32", max_model_len=256).max_model_len == 256
+    for bad in (dict(max_num_seqs=True), dict(max_model_len=True), dict(seed=True), dict(seed=-1), dict(dtype=["float32"]),
+                dict(device="tpu"), dict(device=None)):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            LLM(native_model, **{"dtype": "float32", **bad})
+    for none in ("none", "None", " NONE "):
+        assert LLM(native_model, dtype="float32", speculative_config=none).speculator is None
+    with pytest.raises(ConfigError, match="speculative_config must be a JSON object"):
+        LLM(native_model, dtype="float32", speculative_config=[])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device 'cuda': this machine has no CUDA device"):
+        LLM(native_model, device="cuda")
+    with pytest.raises(ConfigError, match="no CUDA device"):
+        LLM(native_model, device="cuda:0")

@@ -5,6 +5,7 @@ The speculative-decoding config lives with the code it configures: `specdecode.s
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 import torch
@@ -19,8 +20,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 class SamplingParams:
     """How one request is decoded. Defaults follow vLLM (temperature 1, max_tokens 16).
 
-    temperature 0 is an exact argmax, not a tiny temperature. top_k 0 (or -1) and top_p 1
-    disable those filters. With `seed` set, the request draws from its own generator, so
+    temperature 0 (or below 1e-5) is an exact argmax, not a tiny temperature. top_k 0 (or -1)
+    and top_p 1 disable those filters. With `seed` set, the request draws from its own generator, so
     its tokens do not depend on what else is in the batch.
     """
 
@@ -36,24 +37,66 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if self.top_k == -1:
+        if self.stop is None:
+            self.stop = []
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        stop_ok = isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS and all(
+            isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
         checks = [
-            (isinstance(self.temperature, (int, float)) and self.temperature >= 0, "temperature", "a number >= 0"),
-            (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
-            (isinstance(self.top_k, int) and self.top_k >= 0, "top_k", "an integer >= 0 (0 or -1 disables it)"),
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
-            (self.seed is None or isinstance(self.seed, int), "seed", "an integer or None"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", "a list of token ids"),
+            (_is_number(self.temperature) and self.temperature >= 0, "temperature", "a finite number >= 0"),
+            (_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]"),
+            (_is_int(self.top_k) and 0 <= self.top_k < MAX_TOP_K, "top_k",
+             "an integer in [0, 2^31) (0 or -1 disables it; above the vocabulary it keeps every token)"),
+            (_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1"),
+            (self.seed is None or (_is_int(self.seed) and 0 <= self.seed < MAX_SEED), "seed",
+             "an integer in [0, 2^64) or None"),
+            (stop_ok, "stop", f"a string or a list of at most {MAX_STOP_STRINGS} non-empty strings of at most "
+                              f"{MAX_STOP_STRING_CHARS} characters"),
+            (isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
+             "stop_token_ids", "a list of token ids (integers >= 0)"),
+            (isinstance(self.ignore_eos, bool), "ignore_eos", "true or false"),
         ]
         for ok, key, accepted in checks:
             if not ok:
-                raise InvalidRequestError(f"invalid {key}={getattr(self, key)!r}: expected {accepted}")
+                raise InvalidRequestError(f"invalid {key}={_short_repr(getattr(self, key))}: expected {accepted}")
+        self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Exact argmax: temperature 0, or below 1e-5 (as vLLM): dividing logits by a tinier
+        temperature overflows float32 into inf logits and NaN probabilities."""
+        return self.temperature < GREEDY_BELOW
+
+
+# Bounds of SamplingParams (the README lists them).
+GREEDY_BELOW = 1e-5
+MAX_TOP_K = 2 ** 31
+MAX_SEED = 2 ** 64
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
+
+
+def _is_int(x) -> bool:
+    """An int that is not a bool (True is not a token count)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    """A finite int or float that is not a bool."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int beyond float range
+        return False
+
+
+def _short_repr(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,13 +111,16 @@ class EngineConfig:
     seed: int = 0  # seeds the shared generator of requests without their own seed
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; accepted: auto, {', '.join(DTYPES)}")
         resolve_device(self.device)  # a clear error now for a bad or unavailable device
-        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+        if not _is_int(self.max_num_seqs) or self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
-        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
-            raise ConfigError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len) or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len must be an integer >= 2 (or None: the model's context), "
+                              f"got {self.max_model_len!r}")
+        if not _is_int(self.seed) or not 0 <= self.seed < MAX_SEED:
+            raise ConfigError(f"seed must be an integer in [0, 2^64), got {_short_repr(self.seed)}")
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(slots=True)
 class SamplingBatch:
     temperature: torch.Tensor  # [N] float32; 0 marks a greedy row
-    top_k: torch.Tensor  # [N] int64; 0 = off
+    top_k: torch.Tensor  # [N] int64; 0 = off (SamplingParams bounds it below 2^31; above V it keeps all)
     top_p: torch.Tensor  # [N] float32; 1 = off
     generators: list[torch.Generator | None]  # [N] per-row generator (None = shared)
     all_greedy: bool
@@ -33,7 +33,8 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: "list[SamplingParams]", generators: list[torch.Generator | None], device) -> "SamplingBatch":
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
+                                     device=device),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
             generators=list(generators),

@@ -24,7 +24,7 @@ from specdecode.engine.runner import Runner
 from specdecode.engine.scheduler import ScheduledBatch, Scheduler
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_output import StepOutput
-from specdecode.errors import InvalidRequestError, ModelLoadError
+from specdecode.errors import ConfigError, InvalidRequestError, ModelLoadError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch, sample
 from specdecode.speculative.speculator import TargetHandle, build_speculator
@@ -112,8 +112,11 @@ class LLM:
         self.model = load_model(model_dir, self.dtype, self.device)
         self.model_config = self.model.config
         self.tokenizer.check_fits(self.model_config.vocab_size)
-        self.max_model_len = min(max_model_len or self.model_config.max_position_embeddings,
-                                 self.model_config.max_position_embeddings)
+        context = self.model_config.max_position_embeddings
+        if max_model_len is not None and max_model_len > context:
+            raise ConfigError(f"max_model_len={max_model_len} exceeds this model's context "
+                              f"(max_position_embeddings={context}); accepted: 2 .. {context}, or None for {context}")
+        self.max_model_len = max_model_len or context
         self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device)
         self.scheduler = Scheduler(max_num_seqs, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys(
@@ -128,19 +131,27 @@ class LLM:
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
+            _check_text(prompt, "the prompt")
             return prompt, self.tokenizer.encode(prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise InvalidRequestError("prompt_token_ids must be a list of integers")
-            return prompt.get("prompt"), list(ids)
-        raise InvalidRequestError("a prompt is a string or a dict {'prompt_token_ids': [...]}")
+            text = prompt.get("prompt")
+            if text is not None:
+                if not isinstance(text, str):
+                    raise InvalidRequestError(f"'prompt' beside prompt_token_ids must be a string, got {type(text).__name__}")
+                _check_text(text, "the prompt")
+            return text, list(ids)
+        raise InvalidRequestError(f"a prompt is a string or a dict {{'prompt_token_ids': [...]}}; got {type(prompt).__name__}")
 
     def _make_sequence(self, prompt: Prompt, params: SamplingParams | None, request_id: str | None) -> Sequence:
         """Validate a request and build its Sequence (nothing is queued yet)."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):
-            raise InvalidRequestError("sampling_params must be a SamplingParams")
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequestError(f"request_id must be a string, got {type(request_id).__name__}")
         text, ids = self._prompt_ids(prompt)
         vocab = self.model_config.vocab_size
         if not ids:
@@ -151,6 +162,9 @@ class LLM:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens; this model's context is {self.max_model_len} tokens, "
                 "and at least one must be left for the output")
+        if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
+            raise InvalidRequestError(f"invalid stop_token_ids: token ids must lie in [0, {vocab}); "
+                                      f"got {max(params.stop_token_ids)}")
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         generator = None
         if params.seed is not None:
@@ -160,6 +174,8 @@ class LLM:
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         seq = self._make_sequence(prompt, params, request_id)
+        if self.scheduler.find(seq.request_id) is not None:  # drafter state is kept per request id
+            raise InvalidRequestError(f"request_id {seq.request_id!r} is already waiting or running")
         self.scheduler.add(seq)
         return seq.request_id
 
@@ -231,8 +247,14 @@ class LLM:
         """Run prompts to completion; results come back in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise InvalidRequestError(f"prompts must be a prompt (a string or a dict {{'prompt_token_ids': [...]}}) "
+                                      f"or a list of prompts; got {type(prompts).__name__}")
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise InvalidRequestError(f"sampling_params must be a SamplingParams or a list of them; "
+                                      f"got {type(sampling_params).__name__}")
         if len(sampling_params) != len(prompts):
             raise InvalidRequestError(f"{len(prompts)} prompts but {len(sampling_params)} sampling params")
         # Validate every prompt before any is queued: one bad prompt must not leave others half-run.
@@ -256,3 +278,12 @@ class LLM:
         if bar is not None:
             bar.close()
         return [finished[i] for i in ids]
+
+
+def _check_text(text: str, what: str) -> None:
+    """Text must be encodable as UTF-8: a lone surrogate (e.g. "\\ud800" from a JSON escape) is not."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidRequestError(f"{what} is not valid Unicode text: it holds a lone surrogate ({text[e.start]!r}) "
+                                  f"at character {e.start}; send well-formed UTF-8") from None

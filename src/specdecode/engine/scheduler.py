@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 import time
 
 from specdecode.engine.sequence import Sequence, SequenceStatus
@@ -111,14 +112,14 @@ class Scheduler:
             self.free_slots.sort()
             seq.slot = None
 
+    def find(self, request_id: str) -> Sequence | None:
+        """The waiting or running sequence of this request, if any."""
+        return next((seq for seq in itertools.chain(self.waiting, self.running) if seq.request_id == request_id), None)
+
     def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
+        seq = self.find(request_id)
+        if seq is not None:
+            if seq in self.waiting:
                 self.waiting.remove(seq)
-                self.finish(seq, "abort")
-                return seq
-        for seq in self.running:
-            if seq.request_id == request_id:
-                self.finish(seq, "abort")
-                return seq
-        return None
+            self.finish(seq, "abort")
+        return seq

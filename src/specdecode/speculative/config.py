@@ -55,7 +55,7 @@ class SpeculativeConfig:
     dspark_block_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in PROPOSERS:
+        if not isinstance(self.method, str) or self.method not in PROPOSERS:
             raise ConfigError(f"speculative_config.method {self.method!r} is unknown; accepted: {', '.join(sorted(PROPOSERS))}")
         _check(self.model is None or isinstance(self.model, str), "model", "a checkpoint directory path")
         _check(_is_int(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= 64,
@@ -81,18 +81,22 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
-        """From a dict, a JSON string (vLLM's --speculative-config), or None (no speculation)."""
+        """From a dict, a JSON string (vLLM's --speculative-config), or None / "none" (any case,
+        as on the command line): no speculation."""
         import json
 
         if value is None or isinstance(value, SpeculativeConfig):
             return value
+        if isinstance(value, str) and value.strip().lower() == "none":
+            return None
         if isinstance(value, str):
             try:
                 value = json.loads(value)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"speculative_config is not valid JSON: {e}") from None
         if not isinstance(value, dict):
-            raise ConfigError("speculative_config must be a JSON object / dict")
+            raise ConfigError("speculative_config must be a JSON object / dict, \"none\" or None; "
+                              f"got {type(value).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(value) - known)
         if unknown:
