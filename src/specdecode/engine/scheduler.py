@@ -86,18 +86,27 @@ class Scheduler:
             return "stop"
         if token in params.stop_token_ids:
             return "stop"
-        if params.stop:
-            text = self.tokenizer.decode(seq.output_token_ids)
-            # Only the tail can newly contain a stop string: search the last few characters.
-            window = max(len(s) for s in params.stop) + 16
-            for stop in params.stop:
-                at = text.find(stop, max(0, len(text) - window))
-                if at != -1:
-                    seq.stop_text_len = at
-                    return "stop"
+        if params.stop and self._find_stop_string(seq):
+            return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.max_len:
             return "length"
         return None
+
+    def _find_stop_string(self, seq: Sequence) -> bool:
+        """Whether the output text now holds a stop string; if so `seq.stop_text_len` is where
+        the first one starts. Only text after what earlier searches cleared can hold a new one:
+        the search starts (longest stop - 1) characters before the cleared end, whatever length
+        of text the last token added. A trailing U+FFFD (a multi-byte character still
+        incomplete) may still change, so it is searched but never counted as cleared."""
+        text = self.tokenizer.decode(seq.output_token_ids)
+        stops = seq.params.stop
+        start = max(0, min(seq.stop_checked_chars, len(text)) - (max(len(s) for s in stops) - 1))
+        found = [at for at in (text.find(s, start) for s in stops) if at != -1]
+        if found:
+            seq.stop_text_len = min(found)
+            return True
+        seq.stop_checked_chars = len(text.rstrip("\ufffd"))
+        return False
 
     def finish(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:

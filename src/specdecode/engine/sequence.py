@@ -35,6 +35,9 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_text_len: int | None = None  # text is cut here when a stop string matched
+    # Stop strings: output characters known to hold no whole stop string (they were final,
+    # not a trailing U+FFFD of an incomplete UTF-8 sequence, when last searched).
+    stop_checked_chars: int = 0
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
