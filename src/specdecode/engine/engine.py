@@ -80,8 +80,9 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     metrics: RequestMetrics
+    error: str | None = None  # finish_reason "error": the exception's type and message
 
 
 class LLM:
@@ -191,18 +192,61 @@ class LLM:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
-        output = self._execute(batch)
-        self.scheduler.postprocess(output)
-        return self._outputs(output)
+        output, failed = self._execute(batch)
+        failed += self.scheduler.postprocess(output)
+        for seq, error in failed:
+            if not seq.is_finished:
+                seq.error = f"{type(error).__name__}: {error}"
+                self.scheduler.finish(seq, "error")
+        done = {id(seq) for seq in output.seqs}
+        return self._outputs(output.seqs + [seq for seq, _ in failed if id(seq) not in done])
 
-    def _execute(self, batch: ScheduledBatch) -> StepOutput:
+    def _execute(self, batch: ScheduledBatch) -> tuple[StepOutput, list[tuple[Sequence, Exception]]]:
+        """The step's StepOutput, and the sequences that made it fail (see `_isolated`)."""
         if batch.prefill:
-            return self._prefill(batch.prefill)
+            return self._isolated(self._prefill, batch.prefill, "prefill")
         if not batch.decode:
-            return StepOutput.empty()
+            return StepOutput.empty(), []
         if self.speculator is not None:
-            return self.speculator.step(batch.decode, self._sampling_batch(batch.decode))
-        return self._decode(batch.decode)
+            return self._isolated(self._speculative, batch.decode, "speculative")
+        return self._isolated(self._decode, batch.decode, "decode")
+
+    def _isolated(self, run, seqs: list[Sequence], kind: str) -> tuple[StepOutput, list[tuple[Sequence, Exception]]]:
+        """run(seqs) -> StepOutput; if it raises, the same kind of step is retried on halves of
+        the batch down to single sequences. A sequence that fails alone is returned with its
+        exception (logged once, with its traceback); the other parts' outputs are merged.
+
+        Retries are exact: nothing in a step changes sequence state (the `StepOutput` is applied
+        afterwards), drafter state commits only in `on_commit`, cache columns past a sequence's
+        length are rewritten by the next forward, and every seeded generator is restored to its
+        state before the step ahead of each retry, so a sequence draws what it would have drawn
+        in the step that did not fail."""
+        rng = {s.request_id: s.generator.get_state() for s in seqs if s.generator is not None}
+        outputs, failed = [], []
+
+        def attempt(part: list[Sequence]) -> None:
+            try:
+                outputs.append(run(part))
+                return
+            except Exception as error:
+                if len(part) == 1:
+                    log.exception("request %s failed in a %s step; it finishes with finish_reason 'error'",
+                                  part[0].request_id, kind)
+                    failed.append((part[0], error))
+                    return
+                log.debug("a %s step of %d sequences failed (%r); retrying on halves", kind, len(part), error)
+            # Retried outside the except block, so a part's traceback does not chain onto this one.
+            for s in part:
+                if s.generator is not None:
+                    s.generator.set_state(rng[s.request_id])
+            attempt(part[: len(part) // 2])
+            attempt(part[len(part) // 2:])
+
+        attempt(seqs)
+        return StepOutput.merge(outputs), failed
+
+    def _speculative(self, seqs: list[Sequence]) -> StepOutput:
+        return self.speculator.step(seqs, self._sampling_batch(seqs))
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device)
@@ -221,12 +265,12 @@ class LLM:
         tokens = sample(result.logits[:, 0], self._sampling_batch(seqs)).tolist()
         return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs))
 
-    def _outputs(self, output: StepOutput) -> list[RequestOutput]:
+    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Outputs of the step's requests; finished ones hand their stats over and free drafter state."""
-        for seq in output.seqs:
+        for seq in seqs:
             if seq.is_finished:
                 self._on_finish(seq)
-        return [self.output_of(seq) for seq in output.seqs]
+        return [self.output_of(seq) for seq in seqs]
 
     def _on_finish(self, seq: Sequence) -> None:
         self.stats.merge(seq.stats)
@@ -238,13 +282,14 @@ class LLM:
         if seq.stop_text_len is not None:
             text = text[: seq.stop_text_len]
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids),
-                             seq.is_finished, seq.finish_reason, RequestMetrics.from_sequence(seq))
+                             seq.is_finished, seq.finish_reason, RequestMetrics.from_sequence(seq), seq.error)
 
     # ---- offline batch API --------------------------------------------------------------------
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; results come back in input order."""
+        """Run prompts to completion; results come back in input order. A request that fails
+        inside the engine comes back finished with finish_reason "error" (see `step`)."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
@@ -269,14 +314,20 @@ class LLM:
 
             bar = tqdm(total=len(ids), desc="generate", unit="req")
         wanted = set(ids)
-        while wanted - finished.keys():
-            for out in self.step():
-                if out.finished and out.request_id in wanted:
-                    finished[out.request_id] = out
-                    if bar is not None:
-                        bar.update(1)
-        if bar is not None:
-            bar.close()
+        try:
+            while wanted - finished.keys():
+                for out in self.step():
+                    if out.finished and out.request_id in wanted:
+                        finished[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:  # interrupted (or a failure outside any request): leave nothing queued
+            for request_id in wanted - finished.keys():
+                self.abort(request_id)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [finished[i] for i in ids]
 
 

@@ -11,11 +11,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import time
 
 from specdecode.engine.sequence import Sequence, SequenceStatus
 from specdecode.engine.step_output import StepOutput
 from specdecode.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,16 +58,24 @@ class Scheduler:
             return ScheduledBatch(prefill=admitted, decode=[])
         return ScheduledBatch(prefill=[], decode=list(self.running))
 
-    def postprocess(self, out: StepOutput) -> None:
-        """Apply a step to its sequences: cache lengths, speculative stats, tokens, stops."""
+    def postprocess(self, out: StepOutput) -> list[tuple[Sequence, Exception]]:
+        """Apply a step to its sequences: cache lengths, speculative stats, tokens, stops.
+        Returns the sequences whose update raised, with the exception (the engine finishes them
+        with an error); every other sequence is applied as usual."""
         share = 1.0 / max(1, len(out.seqs))
+        failed = []
         for b, seq in enumerate(out.seqs):
-            seq.num_cached += out.num_cached[b]
-            if out.num_draft is not None:
-                seq.stats.observe(out.num_draft[b], out.num_accepted[b])
-                seq.stats.draft_time += out.draft_seconds * share
-                seq.stats.verify_time += out.verify_seconds * share
-            self.append_tokens(seq, out.token_ids[b])
+            try:
+                seq.num_cached += out.num_cached[b]
+                if out.num_draft is not None:
+                    seq.stats.observe(out.num_draft[b], out.num_accepted[b])
+                    seq.stats.draft_time += out.draft_seconds * share
+                    seq.stats.verify_time += out.verify_seconds * share
+                self.append_tokens(seq, out.token_ids[b])
+            except Exception as error:
+                log.exception("request %s: applying its step failed", seq.request_id)
+                failed.append((seq, error))
+        return failed
 
     def append_tokens(self, seq: Sequence, new_token_ids: list[int]) -> list[int]:
         """Append tokens one by one until a stop condition; returns the tokens kept."""

@@ -33,7 +33,8 @@ class Sequence:
     # last one (which the next forward feeds) is cached, i.e. num_cached == num_tokens - 1.
     num_cached: int = 0
     generator: torch.Generator | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # finish_reason "error": the exception's type and message
     stop_text_len: int | None = None  # text is cut here when a stop string matched
     # Stop strings: output characters known to hold no whole stop string (they were final,
     # not a trailing U+FFFD of an incomplete UTF-8 sequence, when last searched).

@@ -29,3 +29,20 @@ class StepOutput:
     @classmethod
     def empty(cls) -> "StepOutput":
         return cls([], [], [])
+
+    @classmethod
+    def merge(cls, parts: list["StepOutput"]) -> "StepOutput":
+        """One output of steps run on disjoint parts of a batch (a failed step retried on its
+        halves); their seconds add up, shared evenly as for one step."""
+        if len(parts) == 1:
+            return parts[0]
+        if not parts:
+            return cls.empty()
+
+        def joined(field: str) -> list:
+            return [x for part in parts for x in getattr(part, field)]
+
+        speculative = parts[0].num_draft is not None  # the parts are steps of one kind
+        return cls(joined("seqs"), joined("token_ids"), joined("num_cached"),
+                   joined("num_draft") if speculative else None, joined("num_accepted") if speculative else None,
+                   sum(part.draft_seconds for part in parts), sum(part.verify_seconds for part in parts))

@@ -87,6 +87,16 @@ class Speculator:
         self.depth.release(seq)
 
     def step(self, seqs: list[Sequence], sampling: SamplingBatch) -> StepOutput:
+        """One speculative step. A step that raises leaves the drafter as it was (what the
+        proposal recorded is rolled back; its cache columns past the committed ones are
+        rewritten next time), so the engine can retry it on part of the batch."""
+        try:
+            return self._step(seqs, sampling)
+        except Exception:
+            self.proposer.rollback(seqs)
+            raise
+
+    def _step(self, seqs: list[Sequence], sampling: SamplingBatch) -> StepOutput:
         plan = self.depth.plan(seqs, [self.proposer.pending_tokens(s) for s in seqs])
 
         t0 = time.perf_counter()
@@ -114,12 +124,12 @@ class Speculator:
         tokens = verified.token_ids.tolist()
         t2 = time.perf_counter()
 
-        self.proposer.on_commit(seqs, draft, verified, result)
         confidence_host = None
         if self.depth.tracks_confidence and draft.confidence is not None and max(num_draft) > 0:
             confidence_host = draft.confidence.tolist()
         self.depth.update(plan, seqs, num_draft, num_accepted, t1 - t0, num_draft_steps, confidence_host,
                           time.perf_counter() - t0)
+        self.proposer.on_commit(seqs, draft, verified, result)  # last: the drafter commits once nothing can fail
         return StepOutput(seqs, [row[: a + 1] for row, a in zip(tokens, num_accepted)], [1 + a for a in num_accepted],
                           num_draft=num_draft, num_accepted=num_accepted, draft_seconds=t1 - t0, verify_seconds=t2 - t1)
 

@@ -24,6 +24,9 @@ from specdecode.speculative.propose.proposer import ProposerBase
 class FeatureState:
     num_cached: int = 0  # drafter positions 0 .. num_cached-1 are in the drafter's cache
     features: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [T_i, *] raw features of later positions
+    # Recorded by `take_pending` in this step's proposal, applied by `on_commit` (dropped by
+    # `rollback`): (the first `taken_chunks` chunks of `features` were consumed, num_cached then).
+    taken: tuple[int, int] | None = None
 
 
 class TargetFeatureBuffer(ProposerBase[FeatureState]):
@@ -42,21 +45,35 @@ class TargetFeatureBuffer(ProposerBase[FeatureState]):
         raw = self.target_features(result)
         accepted = verified.num_accepted.tolist()
         path = verified.path.tolist() if verified.path is not None else None
-        for b, seq in enumerate(seqs):
+        new = []
+        for b in range(len(seqs)):
             # The last committed token and the accepted drafts (tree: the nodes along the path).
             if path is None:
-                new = raw[b, : 1 + accepted[b]]  # a view: chains accept a prefix
+                new.append(raw[b, : 1 + accepted[b]])  # a view: chains accept a prefix
             else:
-                new = raw[b, [0] + [1 + i for i in path[b][: accepted[b]]]]
-            self.state(seq).features.append(new)
+                new.append(raw[b, [0] + [1 + i for i in path[b][: accepted[b]]]])
+        for seq, features in zip(seqs, new):  # nothing above changed any state
+            state = self.state(seq)
+            if state.taken is not None:
+                num_chunks, state.num_cached = state.taken
+                del state.features[:num_chunks]
+                state.taken = None
+            state.features.append(features)
+
+    def rollback(self, seqs) -> None:
+        for seq in seqs:
+            state = self._states.get(seq.request_id)
+            if state is not None:
+                state.taken = None
 
     def pending_tokens(self, seq) -> int:
         state = self._states.get(seq.request_id)
         return seq.num_tokens - 1 - (state.num_cached if state is not None else 0)
 
     def take_pending(self, seq) -> tuple[int, torch.Tensor]:
-        """(first position not consumed, its features .. position N-2); marks them consumed."""
+        """(first position not consumed, its features .. position N-2). They count as consumed
+        once the step commits (`on_commit`); a step that fails leaves them pending."""
         state = self.state(seq)
-        first, chunks = state.num_cached, state.features
-        state.features, state.num_cached = [], seq.num_tokens - 1
-        return first, chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+        chunks = state.features
+        state.taken = (len(chunks), seq.num_tokens - 1)
+        return state.num_cached, chunks[0] if len(chunks) == 1 else torch.cat(chunks)

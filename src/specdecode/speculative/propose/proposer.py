@@ -122,7 +122,12 @@ class Proposer(Protocol):
         """The target just prefilled these sequences (result holds its taps)."""
 
     def on_commit(self, seqs: list["Sequence"], draft: Draft, verified: "Verified", result: "ForwardResult") -> None:
-        """Sync drafter state with what was committed (before the sequences advance)."""
+        """Sync drafter state with what was committed (before the sequences advance). The step's
+        commit point: `propose` may record what it consumed, but only this applies it."""
+
+    def rollback(self, seqs: list["Sequence"]) -> None:
+        """The step over these sequences failed after `propose`: forget what it recorded, so the
+        drafter is as before the step (it may be retried)."""
 
     def pending_tokens(self, seq: "Sequence") -> int:
         """Committed tokens the drafter must catch up on before its next draft (prices drafting)."""
@@ -170,6 +175,9 @@ class ProposerBase(Generic[State]):
         pass
 
     def on_commit(self, seqs, draft, verified, result) -> None:
+        pass
+
+    def rollback(self, seqs) -> None:
         pass
 
     def release(self, seq) -> None:

@@ -82,3 +82,10 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
                 # Cached now: everything up to the last committed token, plus the accepted drafts it was fed.
                 state.num_cached = state.proposal_base + min(a, state.num_fed)
                 state.proposal_base = None
+
+    def rollback(self, seqs) -> None:
+        # The proposal's forwards wrote only columns from num_cached on: rewritten by the next one.
+        for seq in seqs:
+            state = self._states.get(seq.request_id)
+            if state is not None:
+                state.proposal_base = None
