@@ -30,5 +30,11 @@ class InvalidRequestError(SpecDecodeError, ValueError):
     """A request cannot be served as given (prompt too long, bad sampling values, ...)."""
 
 
+class DrafterMismatchError(ConfigError, TokenizerMismatchError):
+    """speculative_config.model was built for another target: its hidden size, vocabulary or
+    token map, the target layers it taps, or ids it uses do not fit this one. Raised when the
+    `LLM` is built, before any request runs."""
+
+
 class CapacityError(SpecDecodeError):
     """A request can never fit the configured KV-cache memory, even when running alone."""

@@ -17,7 +17,7 @@ from specdecode.speculative.propose.drafters.dflash.model import DFlashDrafter, 
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
 from specdecode.speculative.propose.static_tree import StaticTree
 
 
@@ -40,8 +40,8 @@ class DFlashProposer(TargetFeatureBuffer):
         if ctx.config.num_speculative_tokens > cfg.block_size - 1:
             raise ConfigError(f"speculative_config.num_speculative_tokens ({ctx.config.num_speculative_tokens}) exceeds "
                               f"this DFlash drafter's block_size - 1 ({cfg.block_size - 1})")
-        if cfg.layers.hidden_size != ctx.target.config.hidden_size or cfg.mask_token_id >= ctx.target.config.vocab_size:
-            raise ConfigError("speculative_config.model: the DFlash drafter does not fit the target (hidden size / mask id)")
+        check_fits_target(ctx, path, hidden_size=cfg.layers.hidden_size, vocab_size=cfg.layers.vocab_size,
+                          taps={"target_layer_ids": cfg.target_layer_ids}, token_ids={"mask_token_id": [cfg.mask_token_id]})
         self.target = ctx.target
         self.grouping = ctx.grouping
         self.vocab_size = ctx.target.config.vocab_size

@@ -20,7 +20,7 @@ from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import check_same_vocabulary, resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,7 +41,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, self.default_checkpoint)
         self.model = load_model(path, ctx.dtype, ctx.device)
-        check_same_vocabulary(path, self.model.config.vocab_size, ctx)
+        check_fits_target(ctx, path, vocab_size=self.model.config.vocab_size)  # a separate model: any width
         if self.model.config.max_position_embeddings < ctx.max_len:
             raise ConfigError(f"speculative_config.model: the drafter's context ({self.model.config.max_position_embeddings}) "
                               f"is shorter than the target's max_model_len ({ctx.max_len})")

@@ -72,5 +72,11 @@ def save_dspark(drafter: DSparkDrafter, out: Path, target_dir: Path, report: dic
     save_checkpoint(drafter.state_dict(), drafter.dspark.to_json(), out, target_dir, report)
 
 
-def load_dspark(path: Path, vocab_size: int, dtype, device) -> DSparkDrafter:
-    return load_block_drafter(path, "DSpark", lambda c: DSparkDrafter(DSparkConfig.from_json(c), vocab_size), dtype, device)
+def load_dspark(path: Path, dtype, device) -> DSparkDrafter:
+    """The Markov head is as wide as the vocabulary the drafter was built for (its layers' config),
+    so a drafter for another vocabulary loads and is then refused by the target fit check."""
+    def build(config: dict) -> DSparkDrafter:
+        cfg = DSparkConfig.from_json(config)
+        return DSparkDrafter(cfg, cfg.backbone.layers.vocab_size)
+
+    return load_block_drafter(path, "DSpark", build, dtype, device)

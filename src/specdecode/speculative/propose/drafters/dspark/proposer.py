@@ -18,7 +18,7 @@ class DSparkProposer(DFlashProposer):
     supports_tree = False  # the Markov head makes each position depend on the token drawn before it
 
     def _load(self, ctx, path: Path):
-        return load_dspark(path, ctx.target.config.vocab_size, ctx.dtype, ctx.device)
+        return load_dspark(path, ctx.dtype, ctx.device)
 
     default_checkpoint = f"{DEFAULT_MODEL_NAME}-dspark"
 

@@ -16,7 +16,7 @@ from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
 
 
 class EagleProposer(TargetFeatureBuffer):
@@ -33,12 +33,15 @@ class EagleProposer(TargetFeatureBuffer):
         if self.drafter.cfg.variant != self.variant:
             raise ConfigError(f"speculative_config.model {str(path)!r} is a {self.drafter.cfg.variant!r} drafter, "
                               f"not {self.variant!r}")
-        if self.drafter.cfg.layer.hidden_size != ctx.target.config.hidden_size:
-            raise ConfigError("speculative_config.model: the drafter's hidden size does not match the target's")
+        cfg = self.drafter.cfg
+        self.hidden_taps = self.drafter.feature_taps(ctx.target.config, cfg.aux_layers)
+        d2t = self.drafter.draft_to_target  # eagle3: the target id of each draft id
+        check_fits_target(ctx, path, hidden_size=cfg.layer.hidden_size, vocab_size=cfg.layer.vocab_size,
+                          taps={"aux_hidden_state_layer_ids": self.hidden_taps},
+                          token_ids=None if d2t is None else {"d2t": [int(d2t.min()), int(d2t.max())]})
         self.target = ctx.target
         self.grouping = ctx.grouping
         self.vocab_size = ctx.target.config.vocab_size
-        self.hidden_taps = self.drafter.feature_taps(ctx.target.config, self.drafter.cfg.aux_layers)
         self.topk, self.num_nodes = ctx.config.tree_topk, ctx.config.tree_num_nodes
         self.p_min = ctx.config.draft_p_min
         self.depth = ctx.config.num_speculative_tokens

@@ -22,7 +22,7 @@ from specdecode.errors import ConfigError
 from specdecode.speculative.propose.drafters.medusa.model import load_heads
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
 from specdecode.speculative.propose.static_tree import StaticTree
 
 
@@ -45,8 +45,8 @@ class MedusaProposer(ProposerBase[MedusaState]):
         if depth > self.heads.num_heads:
             raise ConfigError(f"speculative_config.num_speculative_tokens ({depth}) exceeds this Medusa "
                               f"checkpoint's {self.heads.num_heads} heads")
-        if self.heads.blocks[0].in_features != ctx.target.config.hidden_size:
-            raise ConfigError("speculative_config.model: the Medusa heads' hidden size does not match the target's")
+        # The heads share the target's LM head: its vocabulary, so only the token map is checked.
+        check_fits_target(ctx, path, hidden_size=self.heads.blocks[0].in_features)
         self.target = ctx.target
         self.tree = StaticTree(depth, ctx.config.tree_topk, ctx.config.tree_num_nodes, ctx.device)
         self.is_chain = ctx.config.tree_topk == 1
