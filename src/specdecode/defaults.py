@@ -55,6 +55,4 @@ def cli_speculative_config(value: str | None, model: str | None):
     measured configuration (plain decoding for other models)."""
     if value is None:
         return dict(BEST_SPECULATIVE_CONFIG) if model is None else None
-    if value.strip().lower() == "none":
-        return None
-    return value
+    return value  # JSON or "none": SpeculativeConfig.parse reads both
