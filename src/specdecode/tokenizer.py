@@ -38,6 +38,8 @@ class Tokenizer:
         self.pad_token_id = self._tok.token_to_id(pad) if pad else None
         mask = _token_content(self.config.get("mask_token"))
         self.mask_token_id = self._tok.token_to_id(mask) if mask else None
+        self._template = None  # the compiled chat template
+        self._bytes_per_token: int | None | bool = False  # False: not computed yet
 
     @property
     def vocab_size(self) -> int:
@@ -57,19 +59,84 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def max_text_bytes(self, num_tokens: int) -> int | None:
+        """A bound for a cheap length check before tokenising: a text of more UTF-8 bytes than
+        this encodes to more than `num_tokens` tokens. None when this tokenizer has no such bound
+        (a normalizer or pre-tokenizer that may drop text, truncation, or a model that maps a run
+        of unknown text to one token): then only tokenising tells."""
+        if self._bytes_per_token is False:
+            self._bytes_per_token = _bytes_per_token(self._tok)
+        return None if self._bytes_per_token is None else num_tokens * self._bytes_per_token
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the model's own jinja2 chat template."""
+        """Render a conversation with the model's own jinja2 chat template (compiled once)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         if not self.chat_template:
             raise ModelLoadError("this model's tokenizer_config.json has no chat_template; send a plain prompt instead")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        template = env.from_string(self.chat_template)
+        if self._template is None:
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            self._template = env.from_string(self.chat_template)
+        template = self._template
         return template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
         )
+
+
+# Normalizers that never shrink a text's UTF-8 length by more than this factor (Unicode
+# normalization and lowercasing can turn a 4-byte character into a 1-byte one: NFKC of U+1D400).
+_SHRINK = {"Prepend": 1, "NFC": 4, "NFD": 4, "NFKC": 4, "NFKD": 4, "Lowercase": 4}
+# Pre-tokenizers that keep every character (Split and Punctuation unless they remove matches).
+_KEEPS_TEXT = {"ByteLevel", "Metaspace", "Digits", "UnicodeScripts", "Split", "Punctuation"}
+
+
+def _shrink(normalizer: dict | None) -> float | None:
+    """How many times shorter (UTF-8 bytes) normalization can make a text; None: unbounded."""
+    if normalizer is None:
+        return 1
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        factor = 1
+        for part in normalizer.get("normalizers", []):
+            f = _shrink(part)
+            if f is None:
+                return None
+            factor *= f
+        return factor
+    if kind == "Replace" and "String" in (normalizer.get("pattern") or {}):
+        pattern, content = normalizer["pattern"]["String"].encode(), normalizer.get("content", "").encode()
+        return max(1, len(pattern) / len(content)) if content else None
+    return _SHRINK.get(kind)
+
+
+def _keeps_text(pre_tokenizer: dict | None) -> bool:
+    if pre_tokenizer is None:
+        return True
+    kind = pre_tokenizer.get("type")
+    if kind == "Sequence":
+        return all(_keeps_text(p) for p in pre_tokenizer.get("pretokenizers", []))
+    return kind in _KEEPS_TEXT and pre_tokenizer.get("behavior") != "Removed"
+
+
+def _bytes_per_token(tok) -> int | None:
+    """The most UTF-8 bytes of input one token can stand for, or None if unbounded (see
+    Tokenizer.max_text_bytes). A token's own string is at least as long as the input it covers:
+    byte-level alphabets spend 1-2 bytes per input byte, Metaspace's U+2581 3 for a space."""
+    spec = json.loads(tok.to_str())
+    model = spec.get("model", {})
+    shrink = _shrink(spec.get("normalizer"))
+    if spec.get("truncation") is not None or shrink is None or not _keeps_text(spec.get("pre_tokenizer")):
+        return None
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in tok.get_vocab(with_added_tokens=True)), default=1)
+    if model.get("type") != "BPE":  # WordPiece / WordLevel / Unigram map a run of unknown text to one token
+        return None
+    if model.get("unk_token") is not None and not model.get("byte_fallback"):
+        if model.get("fuse_unk"):
+            return None
+        longest = max(longest, 4)  # one unknown character
+    return int(longest * shrink + 0.999)
 
 
 def _raise_template_error(message: str):
