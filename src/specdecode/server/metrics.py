@@ -9,9 +9,11 @@ PromQL:
     mean acceptance length = 1 + rate(specdecode:spec_decode_num_accepted_tokens_total[1m])
                                  / rate(specdecode:spec_decode_num_drafts_total[1m])
     acceptance rate        = rate(..._num_accepted_tokens_total[1m]) / rate(..._num_draft_tokens_total[1m])
-Requests: request_success_total{finished_reason}, prompt_tokens_total, generation_tokens_total,
-histograms time_to_first_token_seconds, time_per_output_token_seconds,
-e2e_request_latency_seconds; gauges num_requests_running, num_requests_waiting.
+Requests: request_success_total{finished_reason} (stop, length), request_aborted_total (the
+client went away, or the server stopped), request_failed_total (finished with an error),
+prompt_tokens_total, generation_tokens_total, histograms time_to_first_token_seconds,
+time_per_output_token_seconds, e2e_request_latency_seconds; gauges num_requests_running,
+num_requests_waiting (updated after every step and after every batch of adds and aborts).
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class ServerMetrics:
         self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos", "Accepted draft tokens by position",
                                         ("position",))
         self.request_success = counter("request_success", "Finished requests", ("finished_reason",))
+        self.request_aborted = counter("request_aborted", "Requests aborted before they finished (client gone, "
+                                       "server stopping)")
+        self.request_failed = counter("request_failed", "Requests that finished with an error")
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of started requests")
         self.generation_tokens = counter("generation_tokens", "Generated tokens")
         self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token", ["model_name"],
@@ -61,6 +66,8 @@ class ServerMetrics:
         self.running = Gauge(P + "num_requests_running", "Requests in the running batch", ["model_name"], registry=r)
         self.waiting = Gauge(P + "num_requests_waiting", "Requests waiting for a KV slot", ["model_name"], registry=r)
         self.labels = labels
+        for zero_until_counted in (self.request_aborted, self.request_failed):
+            zero_until_counted.labels(**labels)
         self._counters = {"drafts": self.num_drafts, "draft_tokens": self.num_draft_tokens,
                           "accepted": self.num_accepted_tokens, "generated": self.generation_tokens}
         self._seen: dict[str, dict] = {}  # request_id -> cumulative figures already counted (_totals)
@@ -93,19 +100,31 @@ class ServerMetrics:
                 iv["per_pos"][pos] += d
             if out.finished:
                 self._seen.pop(out.request_id, None)
-                self.request_success.labels(**lab, finished_reason=out.finish_reason or "unknown").inc()
+                if out.finish_reason == "error":
+                    self.request_failed.labels(**lab).inc()
+                else:
+                    self.request_success.labels(**lab, finished_reason=out.finish_reason or "unknown").inc()
                 if m.e2e_latency is not None:
                     self.e2e.labels(**lab).observe(m.e2e_latency)
                 if m.time_to_first_token is not None and m.num_output_tokens > 1:
                     self.tpot.labels(**lab).observe((m.e2e_latency - m.time_to_first_token) / (m.num_output_tokens - 1))
             else:
                 self._seen[out.request_id] = now
-        self.running.labels(**lab).set(len(llm.scheduler.running))
-        self.waiting.labels(**lab).set(len(llm.scheduler.waiting))
+        self.observe_queue(llm)
 
-    def forget(self, request_id: str) -> None:
-        """An aborted request produces no final output: drop its bookkeeping."""
+    def observe_queue(self, llm) -> None:
+        self.running.labels(**self.labels).set(len(llm.scheduler.running))
+        self.waiting.labels(**self.labels).set(len(llm.scheduler.waiting))
+
+    def aborted(self, request_id: str) -> None:
+        """An aborted request produces no final output: count it, drop its bookkeeping."""
         self._seen.pop(request_id, None)
+        self.request_aborted.labels(**self.labels).inc()
+
+    def failed(self, request_id: str) -> None:
+        """A request failed without a final output (the step it was in raised)."""
+        self._seen.pop(request_id, None)
+        self.request_failed.labels(**self.labels).inc()
 
     def log_line(self, llm) -> str:
         """vLLM-style periodic line; resets the interval."""
