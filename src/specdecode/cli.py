@@ -206,15 +206,43 @@ def _run_bench(args) -> int:
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with continuous batching and speculative decoding",
                        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics. "
-                       "Binds to 127.0.0.1 unless --host says otherwise.")
+                       "Binds to 127.0.0.1 unless --host says otherwise. The API key comes from --api-key-file or "
+                       "--api-key (visible in ps), else the SPECDECODE_API_KEY environment variable.")
     _add_model_args(p)
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded at once; more requests queue")
     p.add_argument("--max-model-len", type=int, default=None, help="prompt + output bound (default: model context)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every /v1 route")
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait beyond the --max-num-seqs running; more get 503 + Retry-After (default 256)")
+    p.add_argument("--max-request-bytes", type=int, default=2 * 2 ** 20,
+                   help="largest request body accepted; larger ones get 413 (default 2 MiB)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key-file", default=None, metavar="PATH",
+                     help="file holding the API key (surrounding whitespace ignored); required on every route but /health")
+    key.add_argument("--api-key", default=None,
+                     help="the API key itself; shows in ps and shell history: prefer --api-key-file or SPECDECODE_API_KEY")
+    p.add_argument("--public-metrics", action="store_true",
+                   help="with an API key: serve /metrics, /docs, /redoc and /openapi.json without it")
     p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model dir name)")
     p.set_defaults(func=_run_serve)
+
+
+def _serve_api_key(args) -> str | None:
+    """--api-key-file or --api-key (one of them), else SPECDECODE_API_KEY, else None (no key)."""
+    import os
+
+    from specdecode.errors import ConfigError
+
+    if args.api_key_file is not None:
+        try:
+            key = Path(args.api_key_file).read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--api-key-file {args.api_key_file}: cannot be read ({e})") from None
+        if not key:
+            raise ConfigError(f"--api-key-file {args.api_key_file} is empty")
+        return key
+    return args.api_key or os.environ.get("SPECDECODE_API_KEY", "").strip() or None
 
 
 def _run_serve(args) -> int:
@@ -223,9 +251,9 @@ def _run_serve(args) -> int:
     from specdecode.defaults import cli_speculative_config
 
     serve(args.host, args.port, model=args.model, speculative_config=cli_speculative_config(args.speculative_config, args.model),
-          dtype=args.dtype,
-          device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-          api_key=args.api_key, served_model_name=args.served_model_name)
+          dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
+          api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+          max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
     return 0
 
 

@@ -1,101 +1,52 @@
 """OpenAI-compatible HTTP API on FastAPI: /v1/completions, /v1/chat/completions, /v1/models,
-/health, /metrics. Every error is OpenAI-style JSON with a 4xx status; nothing leaks a traceback.
+/health, /metrics.
+
+A request passes the Guard (API key, body size: guard.py), takes a place among
+`max_num_seqs + max_waiting` (else 503 with Retry-After), has its body read, and is prepared in
+the engine's thread pool, off the event loop: parsed and validated (protocol.py), templated,
+length-checked cheaply, tokenised. Then the engine runs it. Every error is OpenAI-style JSON
+(`{"error": {"message", "type", "param", "code"}}`); nothing leaks a traceback; a stream that
+fails ends with an error event and [DONE], and no request's failure reaches another.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import dataclasses
 import json
 import logging
+import re
 import time
 import uuid
-from typing import Any, Literal
 
+import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdecode.config import SamplingParams
 from specdecode.engine.engine import RequestOutput
 from specdecode.errors import SpecDecodeError
-from specdecode.server.async_engine import AsyncEngine
+from specdecode.server.async_engine import AsyncEngine, EngineBusy, EngineUnavailable, RequestFailed
+from specdecode.server.guard import Guard
+from specdecode.server.protocol import (APIError, ChatCompletionRequest, CompletionRequest, check_sizes, error_body,
+                                        parse_body, request_schema, validate)
 from specdecode.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger(__name__)
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+DEFAULT_MAX_REQUEST_BYTES = 2 * 2 ** 20
+DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
+# Request fields passed to SamplingParams when the client sent them (their names are the same).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+_INVALID_KEY = re.compile(r"invalid (\w+)")
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status, content=error_body(message, type_, param, code))
-
-
-# ---- request schemas (OpenAI's names; unknown fields are ignored like OpenAI does) ----------
-
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model: str
-    max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: StrictInt | None = Field(default=None, ge=-1)
-    seed: StrictInt | None = None
-    stop: str | list[str] | None = None
-    n: StrictInt = 1
-    stream: StrictBool = False
-    ignore_eos: StrictBool = False
-    logprobs: Any = None
-    stop_token_ids: list[StrictInt] | None = None
-
-
-class CompletionRequest(_Sampling):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-
-
-def _sampling_params(req: _Sampling, default_max_tokens: int) -> SamplingParams:
-    if req.n != 1:
-        raise APIError(400, "only n=1 is supported", param="n")
-    if req.logprobs not in (None, False, 0):
-        raise APIError(400, "logprobs are not supported by this server yet", param="logprobs")
-    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    return SamplingParams(
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k in (None, -1) else req.top_k,
-        max_tokens=req.max_tokens or default_max_tokens,
-        seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos,
-    )
-
-
-def _completion_prompt(prompt) -> str | dict:
-    if isinstance(prompt, str):
-        return prompt
-    if prompt and all(isinstance(t, int) for t in prompt):
-        return {"prompt_token_ids": list(prompt)}
-    if len(prompt) == 1:  # a batch of one
-        return _completion_prompt(prompt[0])
-    raise APIError(400, "send one prompt per request (a string or a list of token ids)", param="prompt")
+                   code: str | None = None, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(status_code=status, content=error_body(message, type_, param, code), headers=headers)
 
 
 def _spec_stats(out: RequestOutput) -> dict:
@@ -117,12 +68,24 @@ def _body(base: dict, choices: list[dict], out: RequestOutput) -> dict:
 
 
 class _Shape:
-    """What one endpoint's answers look like; everything else (admission, streaming, the
-    final usage chunk, [DONE], aborts) is the same for every endpoint."""
+    """What one endpoint takes and what its answers look like; everything else (admission,
+    preparation, streaming, the final usage chunk, [DONE], aborts, errors) is shared."""
 
     id_prefix: str
     object: str  # of the whole answer
     chunk_object: str  # of a streamed chunk
+    schema: type  # the request body
+    prompt_field: str  # the field errors about the prompt name
+
+    @staticmethod
+    def prompt(req, tokenizer) -> str | dict:
+        """The engine prompt: text, or {"prompt_token_ids": [...]}."""
+        raise NotImplementedError
+
+    @staticmethod
+    def max_tokens(req) -> tuple[int | None, str]:
+        """(the max_tokens the client asked for, or None; the field it came in)."""
+        return req.max_tokens, "max_tokens"
 
     @staticmethod
     def choice(text: str, finish_reason: str | None) -> dict:
@@ -135,8 +98,24 @@ class _Shape:
         raise NotImplementedError
 
 
+def _completion_prompt(prompt) -> str | dict:
+    if isinstance(prompt, str):
+        return prompt
+    if not prompt or isinstance(prompt[0], int):
+        return {"prompt_token_ids": list(prompt)}
+    if len(prompt) == 1:  # a batch of one
+        return _completion_prompt(prompt[0])
+    raise APIError(400, f"prompt holds a batch of {len(prompt)} prompts; send one prompt per request (a string or "
+                   "an array of token ids)", param="prompt")
+
+
 class _Completion(_Shape):
     id_prefix, object, chunk_object = "cmpl", "text_completion", "text_completion"
+    schema, prompt_field = CompletionRequest, "prompt"
+
+    @staticmethod
+    def prompt(req, tokenizer):
+        return _completion_prompt(req.prompt)
 
     @staticmethod
     def choice(text, finish_reason):
@@ -149,6 +128,27 @@ class _Completion(_Shape):
 
 class _ChatCompletion(_Shape):
     id_prefix, object, chunk_object = "chatcmpl", "chat.completion", "chat.completion.chunk"
+    schema, prompt_field = ChatCompletionRequest, "messages"
+
+    @staticmethod
+    def prompt(req, tokenizer):
+        messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name is not None else {})}
+                    for m in req.messages]
+        try:
+            return tokenizer.apply_chat_template(messages)
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"the model's chat template could not render these messages: {e}",
+                           param="messages") from None
+
+    @staticmethod
+    def max_tokens(req):
+        if req.max_tokens is not None and req.max_completion_tokens is not None \
+                and req.max_tokens != req.max_completion_tokens:
+            raise APIError(400, "max_tokens and max_completion_tokens differ; send one of them",
+                           param="max_completion_tokens")
+        if req.max_completion_tokens is not None:
+            return req.max_completion_tokens, "max_completion_tokens"
+        return req.max_tokens, "max_tokens"
 
     @staticmethod
     def choice(text, finish_reason):
@@ -160,75 +160,138 @@ class _ChatCompletion(_Shape):
         return {"index": 0, "delta": delta, "finish_reason": finish_reason}
 
 
+@dataclasses.dataclass(slots=True)
+class _Prepared:
+    prompt: dict  # {"prompt_token_ids": [...], "prompt": text | None}
+    params: SamplingParams
+    stream: bool
+
+
+def _param_of(error: SpecDecodeError, prompt_field: str) -> str | None:
+    """The request field an engine error is about: its `param`, the key of an "invalid KEY"
+    message (SamplingParams names them as the API does), or the prompt."""
+    param = getattr(error, "param", None)
+    if param:
+        return param
+    message = str(error)
+    key = _INVALID_KEY.match(message)
+    if key and key.group(1) in SAMPLING_FIELDS + ("max_tokens",):
+        return key.group(1)
+    return prompt_field if "prompt" in message or "template" in message else None
+
+
+def _check_content_type(request: Request) -> None:
+    value = request.headers.get("content-type")
+    if value is None:
+        return
+    media = value.split(";")[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (Content-Type: application/json), got Content-Type "
+                       f"{media[:80]!r}; with curl add -H 'Content-Type: application/json'",
+                       code="unsupported_media_type")
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None = None,
-              default_max_tokens: int = 256) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, public_metrics: bool = False) -> FastAPI:
     app = FastAPI(title="specdecode", version="0.1.0",
                   description="OpenAI-compatible server with speculative decoding")
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_request_bytes, public_metrics=public_metrics)
     llm = engine.llm
+    max_prompt_bytes = llm.tokenizer.max_text_bytes(llm.max_model_len - 1)  # None: no cheap bound
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        where = f"{request.method} {request.url.path}"
+        if exc.status_code == 404:
+            message, code = f"there is no route {where}; the API is under /v1 (see /docs)", "not_found"
+        elif exc.status_code == 405:
+            allowed = {k.lower(): v for k, v in (exc.headers or {}).items()}.get("allow", "?")
+            message, code = f"{where} is not allowed; allowed: {allowed}", "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return error_response(exc.status_code, message, code=code, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        where = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-        message = first.get("msg", "invalid request")
-        if first.get("type") == "json_invalid":
-            message = "the request body is not valid JSON"
-        return error_response(400, f"{where}: {message}" if where else message, param=where or None)
-
-    @app.exception_handler(SpecDecodeError)
-    async def _engine_error(request: Request, exc: SpecDecodeError):
-        return error_response(400, str(exc))
+        return error_response(400, "the request is not valid for this route")
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error")
         return error_response(500, "internal server error", "server_error")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return error_response(401, "missing or invalid API key (send Authorization: Bearer <key>)",
-                                      "authentication_error", code="invalid_api_key")
-        return await call_next(request)
-
     def _check_model(name: str) -> None:
         if name != served_model_name:
-            raise APIError(404, f"model {name!r} does not exist; this server serves {served_model_name!r}",
+            raise APIError(404, f"model {name[:200]!r} does not exist; this server serves {served_model_name!r}",
                            param="model", code="model_not_found")
 
-    def _admit(prompt, params: SamplingParams) -> dict:
-        prepared = engine.validate(prompt, params)
-        n_prompt = len(prepared["prompt_token_ids"])
-        if n_prompt + params.max_tokens > llm.max_model_len:
-            raise APIError(400, f"max_tokens ({params.max_tokens}) plus the prompt ({n_prompt} tokens) exceeds the "
-                           f"context length ({llm.max_model_len}); ask for at most {llm.max_model_len - n_prompt}",
-                           param="max_tokens")
-        return prepared
+    def _check_length(text: str, field: str) -> None:
+        """Refuse, before tokenising it, a text too long for any tokenisation to fit the context."""
+        if max_prompt_bytes is None or len(text) * 4 <= max_prompt_bytes:
+            return
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > max_prompt_bytes:
+            raise APIError(400, f"the prompt is too long: {size} bytes of text need more tokens than this model's "
+                           f"context of {llm.max_model_len} tokens holds (no text over {max_prompt_bytes} bytes can "
+                           "fit)", param=field)
 
-    async def _run(prompt, params: SamplingParams) -> RequestOutput:
-        final = None
-        async for out in engine.generate(prompt, params):
-            final = out
-        return final
+    def _prepare(shape: type[_Shape], body: bytes) -> _Prepared:
+        """The request as the engine takes it (runs in the engine's thread pool)."""
+        data = parse_body(body)
+        check_sizes(data, llm.max_model_len)
+        req = validate(shape.schema, data)
+        _check_model(req.model)
+        max_tokens, max_tokens_field = shape.max_tokens(req)
+        try:
+            sent = {key: getattr(req, key) for key in SAMPLING_FIELDS if getattr(req, key) is not None}
+            params = SamplingParams(**sent, max_tokens=max_tokens or 1)  # the real default once the prompt is known
+            prompt = shape.prompt(req, llm.tokenizer)
+            if isinstance(prompt, str):
+                _check_length(prompt, shape.prompt_field)
+            prepared = engine.validate(prompt, params)
+        except SpecDecodeError as e:
+            raise APIError(400, str(e), param=_param_of(e, shape.prompt_field)) from None
+        n_prompt = len(prepared["prompt_token_ids"])
+        room = llm.max_model_len - n_prompt
+        if max_tokens is None:  # as vLLM: whatever fits
+            params = dataclasses.replace(params, max_tokens=room)
+        elif max_tokens > room:
+            raise APIError(400, f"{max_tokens_field} ({max_tokens}) plus the prompt ({n_prompt} tokens) exceeds the "
+                           f"context length ({llm.max_model_len}); ask for at most {room}", param=max_tokens_field)
+        return _Prepared(prepared, params, bool(req.stream))
+
+    def _as_api_error(error: Exception, shape: type[_Shape]) -> APIError:
+        if isinstance(error, APIError):
+            return error
+        if isinstance(error, SpecDecodeError):
+            return APIError(400, str(error), param=_param_of(error, shape.prompt_field))
+        if isinstance(error, RequestFailed):
+            return APIError(500, str(error), "server_error")
+        if isinstance(error, EngineUnavailable):
+            return APIError(503, str(error), "server_error", code="engine_unavailable")
+        if isinstance(error, EngineBusy):
+            return APIError(503, str(error), "server_error", code="server_busy", headers={"Retry-After": "1"})
+        log.error("request failed", exc_info=error)
+        return APIError(500, "internal server error", "server_error")
 
     def _sse(payload: dict) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
-    async def _stream(prompt, params: SamplingParams, base: dict, shape: type[_Shape]):
+    async def _stream(prepared: _Prepared, base: dict, shape: type[_Shape]):
         """SSE: a chunk per engine step that adds text (held back while it could still be the
         start of a stop string), the last one with the finish reason, then usage and
-        spec_decode in a chunk without choices, then [DONE]. A client that goes away ends
-        this generator, and with it AsyncEngine.generate, which aborts the request."""
+        spec_decode in a chunk without choices, then [DONE]. A request that fails ends with an
+        error event instead, then [DONE]. A client that goes away ends this generator, and
+        with it AsyncEngine.generate, which aborts the request."""
+        params = prepared.params
         detok = IncrementalDetokenizer(hold_back=max((len(s) for s in params.stop), default=1) - 1)
         first = True
         try:
-            async for out in engine.generate(prompt, params):
+            async for out in engine.generate(prepared.prompt, params):
                 delta = detok.delta(out.text, final=out.finished)
                 if delta or out.finished:
                     choice = shape.chunk_choice(delta, out.finish_reason if out.finished else None, first)
@@ -236,32 +299,65 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
                     first = False
                 if out.finished:
                     yield _sse(_body(base, [], out))
-        except SpecDecodeError as e:
-            yield _sse(error_body(str(e)))
+        except Exception as e:
+            yield _sse(_as_api_error(e, shape).body())
         yield "data: [DONE]\n\n"
 
-    async def _respond(prompt, params: SamplingParams, stream: bool, shape: type[_Shape]):
-        base = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "object": shape.chunk_object if stream else shape.object,
-                "created": int(time.time()), "model": served_model_name}
-        if stream:
-            return StreamingResponse(_stream(prompt, params, base, shape), media_type="text/event-stream")
-        out = await _run(prompt, params)
+    async def _final(request: Request, prepared: _Prepared) -> RequestOutput | None:
+        """The finished output, or None if the client went away first (the request is then
+        aborted: cancelling the task ends AsyncEngine.generate)."""
+
+        async def run() -> RequestOutput:
+            final = None
+            async for out in engine.generate(prepared.prompt, prepared.params):
+                final = out
+            return final
+
+        task = asyncio.ensure_future(run())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_SECONDS)
+                if done:
+                    return task.result()
+                if await request.is_disconnected():
+                    return None
+        finally:
+            if not task.done():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    async def _serve(request: Request, shape: type[_Shape]):
+        _check_content_type(request)
+        try:
+            with engine.admission():
+                body = await request.body()
+                prepared = await engine.offload(_prepare, shape, body)
+        except Exception as e:
+            raise _as_api_error(e, shape) from None
+        base = {"id": f"{shape.id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": served_model_name,
+                "object": shape.chunk_object if prepared.stream else shape.object}
+        if prepared.stream:
+            return StreamingResponse(_stream(prepared, base, shape), media_type="text/event-stream")
+        try:
+            out = await _final(request, prepared)
+        except Exception as e:
+            raise _as_api_error(e, shape) from None
+        if out is None:
+            return error_response(499, "the client closed the request")
         return _body(base, [shape.choice(out.text, out.finish_reason)], out)
 
-    @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        _check_model(req.model)
-        params = _sampling_params(req, default_max_tokens)
-        prompt = _admit(_completion_prompt(req.prompt), params)
-        return await _respond(prompt, params, req.stream, _Completion)
+    completion_doc, components = request_schema(CompletionRequest)
+    chat_doc, chat_components = request_schema(ChatCompletionRequest)
+    components.update(chat_components)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        _check_model(req.model)
-        params = _sampling_params(req, default_max_tokens)
-        text = llm.tokenizer.apply_chat_template([m.model_dump() for m in req.messages])
-        prompt = _admit(text, params)
-        return await _respond(prompt, params, req.stream, _ChatCompletion)
+    @app.post("/v1/completions", openapi_extra={"requestBody": completion_doc})
+    async def completions(request: Request):
+        return await _serve(request, _Completion)
+
+    @app.post("/v1/chat/completions", openapi_extra={"requestBody": chat_doc})
+    async def chat_completions(request: Request):
+        return await _serve(request, _ChatCompletion)
 
     @app.get("/v1/models")
     async def models():
@@ -270,12 +366,24 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
 
     @app.get("/health")
     async def health():
-        if not engine.alive:
-            return error_response(503, "engine loop is not running", "server_error")
+        """200 while the engine can serve; 503 (with the reason) while its loop is not running,
+        or after `max_failed_steps` failed engine steps in a row, until a step succeeds."""
+        reason = engine.health()
+        if reason is not None:
+            return error_response(503, reason, "server_error", code="engine_unavailable")
         return {"status": "ok"}
 
     @app.get("/metrics")
     async def metrics():
         return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            spec = default_openapi()
+            spec.setdefault("components", {}).setdefault("schemas", {}).update(components)
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
