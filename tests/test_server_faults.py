@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import socket
 import time
 import types
 
@@ -334,7 +335,13 @@ def test_full_queue_answers_503_with_retry_after(native_model, monkeypatch):
                 assert r.json()["error"]["code"] == "server_busy" and "capacity" in r.json()["error"]["message"]
         wait_idle(srv)
         monkeypatch.undo()
-        r = httpx.post(srv.url + COMPLETIONS, json={**body, "stream": False, "max_tokens": 2})
-        assert r.status_code == 200, r.text
+        host, port = srv.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as slow, socket.create_connection((host, int(port))) as slower:
+            for s in (slow, slower):  # bodies that never finish arriving take no place in the queue
+                s.sendall(f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                          "Content-Length: 1000\r\n\r\n{".encode())
+            time.sleep(0.2)
+            r = httpx.post(srv.url + COMPLETIONS, json={**body, "stream": False, "max_tokens": 2})
+            assert r.status_code == 200, r.text
     finally:
         srv.stop()

@@ -1,9 +1,9 @@
 """OpenAI-compatible HTTP API on FastAPI: /v1/completions, /v1/chat/completions, /v1/models,
 /health, /metrics.
 
-A request passes the Guard (API key, body size: guard.py), takes a place among
-`max_num_seqs + max_waiting` (else 503 with Retry-After), has its body read, and is prepared in
-the engine's thread pool, off the event loop: parsed and validated (protocol.py), templated,
+A request passes the Guard (API key, body size: guard.py), has its body read, takes a place
+among `max_num_seqs + max_waiting` (else 503 with Retry-After), and is prepared in the
+engine's thread pool, off the event loop: parsed and validated (protocol.py), templated,
 length-checked cheaply, tokenised. Then the engine runs it. Every error is OpenAI-style JSON
 (`{"error": {"message", "type", "param", "code"}}`); nothing leaks a traceback; a stream that
 fails ends with an error event and [DONE], and no request's failure reaches another.
@@ -330,8 +330,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
     async def _serve(request: Request, shape: type[_Shape]):
         _check_content_type(request)
         try:
+            body = await request.body()  # before taking a place: a slow body holds a connection, not a place
             with engine.admission():
-                body = await request.body()
                 prepared = await engine.offload(_prepare, shape, body)
         except Exception as e:
             raise _as_api_error(e, shape) from None

@@ -92,7 +92,7 @@ class AsyncEngine:
 
     @contextlib.contextmanager
     def admission(self):
-        """A place for one request while it is read and prepared (then `generate` holds it)."""
+        """A place for one request while it is prepared (then `generate` holds it)."""
         if self.num_in_flight >= self.capacity:
             raise EngineBusy(f"the server is at capacity ({self.llm.scheduler.num_slots} requests running and "
                              f"{self.max_waiting} waiting); retry later")
