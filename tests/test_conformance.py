@@ -70,6 +70,17 @@ def test_greedy_equals_plain_decoding(native_model, spec_config):
 
 
 @cases
+def test_greedy_equals_plain_decoding_with_int8_weights(native_model, spec_config):
+    """Target and drafter int8 (float32 activations, as every greedy-equality test): speculation
+    still changes nothing, against plain decoding of the same quantised target."""
+    plain = generate_ids(native_model, PROMPTS, GREEDY, quantization="int8")
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=spec_config, quantization="int8")
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+@cases
 def test_a_request_alone_equals_it_batched(native_model, spec_config):
     batched = generate_ids(native_model, PROMPTS, GREEDY, spec_config)
     for prompt, expected in zip(PROMPTS[:2], batched):

@@ -84,6 +84,9 @@ def _add_model_args(p, speculative: bool = True) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/activations dtype; auto = the measured faster one for the device (see README)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
+    p.add_argument("--quantization", default=None, metavar="SCHEME",
+                   help="weight-only quantisation of the target and its drafter: int8 (per channel), int4 (groups "
+                   "of 32), int4-g64, int4-g128; quantised at load and cached on disk (default: none, dtype weights)")
     if speculative:
         p.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (keys: README); '
@@ -115,7 +118,7 @@ def _run_generate(args) -> int:
 
     from specdecode.defaults import cli_speculative_config
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device,
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
               speculative_config=cli_speculative_config(args.speculative_config, args.model), max_num_seqs=1)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -197,7 +200,8 @@ def _run_bench(args) -> int:
                       num_prompts=args.num_prompts or None, max_tokens=args.max_tokens,
                       concurrency=[int(c) for c in args.concurrency.split(",")],
                       temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
-                      device=args.device, seed=args.seed, out_dir=Path(args.out), repeats=args.repeats,
+                      device=args.device, quantization=args.quantization, seed=args.seed, out_dir=Path(args.out),
+                      repeats=args.repeats,
                       peers=[p for p in args.peers.split(",") if p])
     print(markdown_table(run_bench(cfg)))
     return 0
@@ -251,8 +255,8 @@ def _run_serve(args) -> int:
     from specdecode.defaults import cli_speculative_config
 
     serve(args.host, args.port, model=args.model, speculative_config=cli_speculative_config(args.speculative_config, args.model),
-          dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
-          api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+          dtype=args.dtype, device=args.device, quantization=args.quantization, max_num_seqs=args.max_num_seqs,
+          max_model_len=args.max_model_len, api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
           max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
     return 0
 
@@ -272,7 +276,8 @@ def _run_profile(args) -> int:
     from specdecode import LLM
     from specdecode.speculative.policy.cost_model import load_or_profile, plot
 
-    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs)
+    llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+              max_num_seqs=args.max_num_seqs)
     model = load_or_profile(llm.runner, llm.config.model, args.max_num_seqs, args.max_tokens_per_seq, thorough=True)
     widths = sorted(next(iter(model.table.values())))
     print("ms per target forward; rows: batch size, columns: new tokens per sequence")

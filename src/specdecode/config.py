@@ -109,8 +109,12 @@ class EngineConfig:
     max_num_seqs: int = 16  # KV-cache slots = sequences running at once; more requests wait
     max_model_len: int | None = None  # per-sequence bound (prompt + output); None = model's context
     seed: int = 0  # seeds the shared generator of requests without their own seed
+    quantization: str | None = None  # weight-only: None, "int8", "int4" / "int4-g32|64|128" (models/quant.py)
 
     def __post_init__(self) -> None:
+        from specdecode.models.quant import QuantScheme
+
+        QuantScheme.parse(self.quantization)  # a clear error now for an unknown scheme
         if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; accepted: auto, {', '.join(DTYPES)}")
         resolve_device(self.device)  # a clear error now for a bad or unavailable device
@@ -124,6 +128,11 @@ class EngineConfig:
 
     def torch_device(self) -> torch.device:
         return resolve_device(self.device)
+
+    def quant_scheme(self):
+        from specdecode.models.quant import QuantScheme
+
+        return QuantScheme.parse(self.quantization)
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

@@ -47,6 +47,7 @@ class BenchConfig:
     temperatures: list[float] = dataclasses.field(default_factory=lambda: [0.0])
     dtype: str = "auto"
     device: str = "auto"
+    quantization: str | None = None  # weight-only int8 / int4 for every method's target and drafter
     seed: int = 0
     out_dir: Path = Path("bench_out")
     peers: list[str] = dataclasses.field(default_factory=list)  # PEERS
@@ -67,6 +68,7 @@ def machine_info(llm: LLM) -> dict:
         "platform": platform.platform(), "processor": platform.processor() or platform.machine(),
         "cpu_count": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
         "specdecode": specdecode.__version__, "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
+        "quantization": llm.quantization.name if llm.quantization is not None else None,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
@@ -92,7 +94,7 @@ def run_bench(cfg: BenchConfig) -> dict:
         for concurrency in cfg.concurrency:
             bar.set_postfix(T=temperature, c=concurrency)
             llms = [LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
-                        max_num_seqs=concurrency, seed=cfg.seed) for method in cfg.methods]
+                        max_num_seqs=concurrency, seed=cfg.seed, quantization=cfg.quantization) for method in cfg.methods]
             info = info or machine_info(llms[0])
             measured = measure_interleaved(llms, prompts, params, cfg.repeats, concurrency, on_run=lambda: bar.update(1))
             baseline = None

@@ -90,6 +90,8 @@ class LLM:
 
     model: an HF checkpoint directory (Llama / Mistral / Qwen2 / Qwen3); None = the
     embedded default model. speculative_config: a dict or vLLM-style JSON string (see README).
+    quantization: weight-only "int8" or "int4" (groups of 32; "int4-g64", "int4-g128") for the
+    target and its drafter, quantised at load time and cached on disk; None = dtype weights.
     """
 
     def __init__(
@@ -101,16 +103,18 @@ class LLM:
         max_num_seqs: int = 16,
         max_model_len: int | None = None,
         seed: int = 0,
+        quantization: str | None = None,
     ):
         model_dir = Path(model) if model is not None else default_model_dir()
         if not model_dir.is_dir():
             raise ModelLoadError(f"model directory {model_dir} does not exist")
         self.config = EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-                                   max_model_len=max_model_len, seed=seed)
+                                   max_model_len=max_model_len, seed=seed, quantization=quantization)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype()
         self.tokenizer = Tokenizer(model_dir)
-        self.model = load_model(model_dir, self.dtype, self.device)
+        self.quantization = self.config.quant_scheme()
+        self.model = load_model(model_dir, self.dtype, self.device, self.quantization)
         self.model_config = self.model.config
         self.tokenizer.check_fits(self.model_config.vocab_size)
         context = self.model_config.max_position_embeddings
@@ -118,7 +122,7 @@ class LLM:
             raise ConfigError(f"max_model_len={max_model_len} exceeds this model's context "
                               f"(max_position_embeddings={context}); accepted: 2 .. {context}, or None for {context}")
         self.max_model_len = max_model_len or context
-        self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device)
+        self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device, self.quantization)
         self.scheduler = Scheduler(max_num_seqs, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys(
             self.model_config.eos_token_ids + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())))

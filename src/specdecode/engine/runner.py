@@ -15,6 +15,7 @@ import torch
 
 from specdecode.engine.ragged import ForwardEntry, LengthGrouping, build_attention, merge_rows
 from specdecode.models.llama import KVCache, LlamaForCausalLM
+from specdecode.models.quant import QuantScheme
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,8 +27,10 @@ class ForwardResult:
 
 
 class Runner:
-    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, model: LlamaForCausalLM, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 quantization: QuantScheme | None = None):
         self.model = model
+        self.quantization = quantization  # how the weights are stored (drafters follow it; cost profiles key on it)
         self.device = device
         self.dtype = dtype
         self.max_len = max_len

@@ -15,6 +15,7 @@ import torch
 from specdecode.errors import ModelLoadError
 from specdecode.models.config import ModelConfig
 from specdecode.models.llama import LlamaForCausalLM, fuse_projections
+from specdecode.models.quant import QuantScheme, quantize_checkpoint_model
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -47,7 +48,10 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quantization: QuantScheme | None = None) -> LlamaForCausalLM:
+    """The checkpoint as a frozen inference model (projections fused), its linear layers
+    quantised when `quantization` is set (packed weights cached on disk by checkpoint hash)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
@@ -71,4 +75,5 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE frequencies) are still on meta: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
-    return fuse_projections(model.eval().requires_grad_(False))
+    model = fuse_projections(model.eval().requires_grad_(False))
+    return quantize_checkpoint_model(model, path, quantization)

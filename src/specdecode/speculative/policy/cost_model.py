@@ -118,10 +118,12 @@ class LiveCost:
         self.scale[bucket] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
 
 
-def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device) -> Path:
+def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device, variant: str = "") -> Path:
+    """`variant`: what else changes the forward's speed (the weights' quantisation)."""
     weights = sorted(Path(model_dir).glob("*.safetensors"))
     stamp = [str(Path(model_dir).resolve())] + [f"{w.name}:{w.stat().st_mtime_ns}" for w in weights]
-    key = "|".join(stamp + [str(dtype), str(device), torch.__version__, str(torch.get_num_threads())])
+    key = "|".join(stamp + [str(dtype), str(device), torch.__version__, str(torch.get_num_threads())]
+                   + ([variant] if variant else []))
     return cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 
@@ -166,7 +168,8 @@ def monotone(table: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
 
 
 def load_or_profile(runner: Runner, model_dir: Path, max_batch: int, max_width: int, thorough: bool = False) -> CostModel:
-    path = cache_path(model_dir, runner.dtype, runner.device)
+    path = cache_path(model_dir, runner.dtype, runner.device,
+                      runner.quantization.name if runner.quantization is not None else "")
     if path.is_file() and not thorough:
         try:
             data = json.loads(path.read_text())

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from specdecode.engine.runner import ForwardResult
     from specdecode.engine.sequence import Sequence
     from specdecode.models.llama import LlamaForCausalLM
+    from specdecode.models.quant import QuantScheme
     from specdecode.sampling import SamplingBatch
     from specdecode.speculative.config import SpeculativeConfig
     from specdecode.speculative.verify.chain import Verified
@@ -104,6 +105,7 @@ class ProposerContext:
     dtype: torch.dtype
     device: torch.device
     grouping: "LengthGrouping"  # how ragged forwards are cut into length groups on this device
+    quantization: "QuantScheme | None" = None  # the target's weight quantisation: learned drafters load with it too
 
 
 class Proposer(Protocol):

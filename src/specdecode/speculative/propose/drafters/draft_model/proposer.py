@@ -40,12 +40,12 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, self.default_checkpoint)
-        self.model = load_model(path, ctx.dtype, ctx.device)
+        self.model = load_model(path, ctx.dtype, ctx.device, ctx.quantization)
         check_fits_target(ctx, path, vocab_size=self.model.config.vocab_size)  # a separate model: any width
         if self.model.config.max_position_embeddings < ctx.max_len:
             raise ConfigError(f"speculative_config.model: the drafter's context ({self.model.config.max_position_embeddings}) "
                               f"is shorter than the target's max_model_len ({ctx.max_len})")
-        self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device)
+        self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device, ctx.quantization)
         self.p_min = ctx.config.draft_p_min
 
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:

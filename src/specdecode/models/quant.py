@@ -1,0 +1,300 @@
+"""Weight-only quantisation: int8 per output channel, int4 in groups along the input.
+
+`quantize_module` replaces every linear layer of a frozen inference model (the target, a
+draft model, an EAGLE/MTP/DFlash/DSpark/Medusa drafter) by a `QuantizedLinear`; embeddings
+and norms stay in the activation dtype. A `QuantizedLinear` stands for the dense weight
+`dequantize()` returns, exactly: every kernel below computes `x @ dequantize().T` and they
+differ only in rounding, like dense matmuls of different widths do.
+
+Kernels, chosen per call from the activation dtype (measured here, 2 threads, one row,
+512 -> 2816: bf16 dense 106-133 us, int8 41-83 us, int4 49 us; LM head 512 -> 8192: bf16
+328 us, int8 119-159 us, int4 192 us; see BENCHMARKS.md "Weight-only quantisation"):
+- bf16 / fp16 on CPU: PyTorch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`.
+  They cost one weight read per row (a GEMV each), so a verify forward of n rows costs
+  about n times the one-row matmul; torchao ships no faster CPU kernel, and inductor's
+  dequantise-GEMM measured 2.8-6x slower than `_weight_int8pack_mm` here.
+- float32 (the tests' precision), and devices without those kernels: a dense matmul with the
+  dequantised weight, built once on first use. Correct everywhere; fast only where dense is.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import re
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+INT4_GROUP_SIZES = (32, 64, 128)
+DEFAULT_INT4_GROUP = 32  # measured: the smallest quality loss at the same kernel speed (BENCHMARKS.md)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class QuantScheme:
+    bits: int  # 8 or 4
+    group_size: int | None  # int4: input columns sharing one scale and zero; int8: None (per output channel)
+
+    @property
+    def name(self) -> str:
+        return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+
+    @classmethod
+    def parse(cls, spec: "str | QuantScheme | None") -> "QuantScheme | None":
+        """None / "none" -> None; "int8"; "int4" (groups of 32); "int4-g32" / "int4-g64" / "int4-g128"."""
+        if spec is None or isinstance(spec, QuantScheme):
+            return spec
+        from specdecode.errors import ConfigError
+
+        if not isinstance(spec, str):
+            raise ConfigError(f"quantization must be a string or None, got {type(spec).__name__}")
+        text = spec.strip().lower()
+        if text in ("", "none"):
+            return None
+        if text == "int8":
+            return cls(8, None)
+        match = re.fullmatch(r"int4(?:-g(\d+))?", text)
+        if match:
+            group = int(match.group(1) or DEFAULT_INT4_GROUP)
+            if group in INT4_GROUP_SIZES:
+                return cls(4, group)
+        raise ConfigError(f"quantization {spec!r} is not supported; accepted: none, int8, int4 "
+                          f"(groups of {DEFAULT_INT4_GROUP}), " + ", ".join(f"int4-g{g}" for g in INT4_GROUP_SIZES))
+
+
+def quantize_weight(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
+    """weight [N, K] -> the stored tensors of its quantised form (see QuantizedLinear)."""
+    w = weight.detach().float()
+    N, K = w.shape
+    # Scales (and int4 zeros) are rounded to bf16 values here, so the bf16 kernels multiply by
+    # exactly the numbers `dequantize()` uses: the layer is one model at every width and dtype.
+    if scheme.bits == 8:  # symmetric, per output channel: w = q * scale, q in [-127, 127]
+        scale = _bf16_exact((w.abs().amax(dim=1) / 127).clamp(min=1e-8))  # [N]
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)  # [N, K]
+        return {"qweight": q, "scales": scale}
+    group = scheme.group_size
+    if K % group:
+        raise ValueError(f"int4 groups of {group} need an input size divisible by {group}, got {K}")
+    # Asymmetric per group (like llama.cpp's Q4_1, in tinygemm's form): w = (q - 8) * scale + zero, q in [0, 15].
+    wg = w.view(N, K // group, group)
+    low, high = wg.amin(dim=-1), wg.amax(dim=-1)  # [N, K/g]
+    scale = _bf16_exact(((high - low) / 15).clamp(min=1e-8))
+    zero = _bf16_exact(low + 8 * scale)
+    q = torch.round((wg - zero[..., None]) / scale[..., None] + 8).clamp(0, 15).to(torch.uint8).view(N, K)
+    packed = (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()  # [N, K/2], two columns per byte, the even one low
+    return {"qweight": packed, "scales": scale, "zeros": zero}
+
+
+def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
+    """float32 tensor holding the nearest bf16 values."""
+    return x.to(torch.bfloat16).float()
+
+
+class QuantizedLinear(nn.Module):
+    """A frozen linear layer with int8 or int4 weights; `split_sizes` makes it return one
+    view per fused projection (q/k/v, gate/up), like `FusedLinear`."""
+
+    def __init__(self, stored: dict[str, torch.Tensor], in_features: int, out_features: int, scheme: QuantScheme,
+                 bias: torch.Tensor | None = None, split_sizes: list[int] | None = None):
+        super().__init__()
+        self.scheme = scheme
+        self.in_features, self.out_features = in_features, out_features
+        self.split_sizes = split_sizes
+        for name, tensor in stored.items():
+            self.register_buffer(name, tensor)
+        self.register_buffer("bias", bias)
+        self._kernel_weights: dict[tuple, tuple] = {}  # (dtype, device) -> packed tensors for the kernel
+        self._dense: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> dequantised weight, for the dense path
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
+                    split_sizes: list[int] | None = None) -> "QuantizedLinear":
+        N, K = weight.shape
+        stored = quantize_weight(weight, scheme)
+        stored = {k: v.to(weight.device) for k, v in stored.items()}
+        return cls(stored, K, N, scheme, None if bias is None else bias.detach().clone(), split_sizes)
+
+    # ---- the weight it stands for --------------------------------------------------------
+
+    def dequantize(self) -> torch.Tensor:
+        """[N, K] float32: the exact weight every kernel multiplies by."""
+        if self.scheme.bits == 8:
+            return self.qweight.float() * self.scales[:, None]
+        N, K, g = self.out_features, self.in_features, self.scheme.group_size
+        q = self.unpacked_int4().float().view(N, K // g, g)
+        return ((q - 8) * self.scales[..., None] + self.zeros[..., None]).view(N, K)
+
+    def unpacked_int4(self) -> torch.Tensor:
+        """[N, K] int32 values in [0, 15] (int4 only)."""
+        N, K = self.out_features, self.in_features
+        return torch.stack((self.qweight & 0xF, self.qweight >> 4), dim=-1).view(N, K).to(torch.int32)
+
+    # ---- kernels -------------------------------------------------------------------------
+
+    def _uses_kernel(self, x: torch.Tensor) -> bool:
+        # The CPU int4 kernel packs output rows in blocks of 16; other layers take the dense path.
+        shape_ok = self.scheme.bits == 8 or self.out_features % 16 == 0
+        return shape_ok and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+    def _kernel_tensors(self, dtype: torch.dtype) -> tuple:
+        key = (dtype, self.qweight.device)
+        if key not in self._kernel_weights:
+            if self.scheme.bits == 8:
+                self._kernel_weights[key] = (self.qweight, self.scales.to(dtype))
+            else:  # tinygemm's layout: scales and zeros [K/g, N, 2]
+                packed = torch._convert_weight_to_int4pack_for_cpu(self.unpacked_int4(), 1)
+                scales_zeros = torch.stack((self.scales, self.zeros), dim=-1).transpose(0, 1).contiguous().to(dtype)
+                self._kernel_weights[key] = (packed, scales_zeros)
+        return self._kernel_weights[key]
+
+    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        key = (dtype, self.qweight.device)
+        if key not in self._dense:
+            self._dense[key] = self.dequantize().to(dtype)
+        return self._dense[key]
+
+    def forward(self, x: torch.Tensor):
+        """x [..., K] -> [..., N] (or one view per split size)."""
+        if self._uses_kernel(x):
+            rows = x.reshape(-1, self.in_features)  # the kernels take 2-D rows
+            if self.scheme.bits == 8:
+                qweight, scales = self._kernel_tensors(x.dtype)
+                out = torch._weight_int8pack_mm(rows, qweight, scales)
+            else:
+                packed, scales_zeros = self._kernel_tensors(x.dtype)
+                out = torch._weight_int4pack_mm_for_cpu(rows, packed, self.scheme.group_size, scales_zeros)
+            out = out.view(*x.shape[:-1], self.out_features)
+            if self.bias is not None:
+                out = out + self.bias.to(out.dtype)
+        else:
+            out = F.linear(x, self._dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
+
+    def rows(self, start: int, stop: int) -> "QuantizedLinear":
+        """Output rows [start, stop) as a layer of their own, sharing this one's storage."""
+        stored = {name: getattr(self, name)[start:stop] for name in ("qweight", "scales", "zeros") if hasattr(self, name)}
+        bias = None if self.bias is None else self.bias[start:stop]
+        return QuantizedLinear(stored, self.in_features, stop - start, self.scheme, bias)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, {self.scheme.name}"
+
+
+# Fused projections (`fuse_projections`) and the member layers that are their row slices.
+FUSED_MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
+def quantize_module(module: nn.Module, scheme: QuantScheme | None, cache: "QuantCache | None" = None) -> nn.Module:
+    """Replace every linear layer under `module` by a QuantizedLinear (in place; returns it).
+
+    A fused projection becomes one fused quantised layer and its member layers (`q_proj`, ...,
+    still called alone by DFlash's `project_kv`) views of its rows, so the dense weights are
+    freed. `cache` supplies already-quantised tensors by layer name, and records new ones."""
+    if scheme is None:
+        return module
+    from specdecode.models.llama import FusedLinear
+
+    def quantized(name: str, weight: torch.Tensor, bias, split_sizes=None) -> QuantizedLinear:
+        N, K = weight.shape
+        stored = cache.get(name) if cache is not None else None
+        if stored is None:
+            stored = {k: v.to(weight.device) for k, v in quantize_weight(weight, scheme).items()}
+            if cache is not None:
+                cache.put(name, stored)
+        else:  # copied: safetensors' buffers are not 64-byte aligned, and the int8 kernel crashes on them
+            stored = {k: v.to(weight.device, copy=True) for k, v in stored.items()}
+        return QuantizedLinear(stored, K, N, scheme, None if bias is None else bias.detach().clone(), split_sizes)
+
+    for owner_name, owner in list(module.named_modules()):
+        for fused_name, members in FUSED_MEMBERS.items():
+            fused = getattr(owner, fused_name, None)
+            if isinstance(fused, FusedLinear):
+                layer = quantized(f"{owner_name}.{fused_name}", fused.weight, fused.bias, list(fused.sizes))
+                setattr(owner, fused_name, layer)
+                start = 0
+                for member, size in zip(members, fused.sizes):
+                    setattr(owner, member, layer.rows(start, start + size))
+                    start += size
+    for owner_name, owner in list(module.named_modules()):
+        for child_name, child in list(owner.named_children()):
+            if isinstance(child, nn.Linear):
+                name = f"{owner_name}.{child_name}" if owner_name else child_name
+                setattr(owner, child_name, quantized(name, child.weight, child.bias))
+    return module
+
+
+class QuantCache:
+    """Quantised tensors on disk, keyed by the checkpoint's content hash, the scheme and the
+    dtype: a restart loads them instead of quantising again (safetensors, one file per model)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.dirty = False
+        if path.is_file():
+            from safetensors.torch import load_file
+
+            try:
+                self.tensors = load_file(str(path))
+            except Exception as e:  # a truncated or foreign file is re-made, not trusted
+                log.warning("ignoring the unreadable quantisation cache %s (%s)", path, e)
+
+    @classmethod
+    def for_checkpoint(cls, model_dir: Path, scheme: QuantScheme, tag: str = "") -> "QuantCache":
+        from specdecode.defaults import cache_root
+
+        return cls(cache_root() / "quantized" / f"{checkpoint_hash(model_dir)}-{tag}{scheme.name}.safetensors")
+
+    def get(self, name: str) -> dict[str, torch.Tensor] | None:
+        prefix = name + "/"
+        found = {k[len(prefix):]: v for k, v in self.tensors.items() if k.startswith(prefix)}
+        return found or None
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        for k, v in tensors.items():
+            self.tensors[f"{name}/{k}"] = v.detach().cpu().contiguous()
+        self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        from safetensors.torch import save_file
+
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        save_file(self.tensors, str(tmp))
+        tmp.replace(self.path)  # atomic: a crash mid-write leaves no half file under the real name
+        self.dirty = False
+
+
+def checkpoint_hash(model_dir: Path) -> str:
+    """sha256 of the checkpoint's config and weight files (content, not paths or mtimes)."""
+    digest = hashlib.sha256()
+    files = sorted(Path(model_dir).glob("*.safetensors")) + [Path(model_dir) / "config.json"]
+    for f in files:
+        if f.is_file():
+            digest.update(f.name.encode())
+            with open(f, "rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 22), b""):
+                    digest.update(chunk)
+    return digest.hexdigest()[:20]
+
+
+def quantize_checkpoint_model(module: nn.Module, model_dir: Path | None, scheme: QuantScheme | None,
+                              tag: str = "") -> nn.Module:
+    """quantize_module with the on-disk cache of `model_dir`'s checkpoint (None: no cache)."""
+    if scheme is None:
+        return module
+    cache = QuantCache.for_checkpoint(model_dir, scheme, tag) if model_dir is not None else None
+    quantize_module(module, scheme, cache)
+    if cache is not None:
+        try:
+            cache.save()
+        except OSError as e:  # a read-only cache directory costs a re-quantisation next time, nothing else
+            log.warning("could not write the quantisation cache %s: %s", cache.path, e)
+    return module
