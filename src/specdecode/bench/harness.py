@@ -33,7 +33,7 @@ __all__ = ["PEERS", "BenchConfig", "machine_info", "run_bench",
 
 log = logging.getLogger(__name__)
 
-PEERS = ("transformers", "llama.cpp")
+PEERS = ("transformers", "llama.cpp", "llama.cpp-bin")  # llama.cpp-bin: its own binaries (peers.run_llama_cpp_native)
 
 
 @dataclasses.dataclass(slots=True)
@@ -145,7 +145,9 @@ def _timed(temperature: float, concurrency: int, num_prompts: int, tokens: int, 
 
 
 def _equal_to_plain(outputs: list[list[int]], baseline_outputs: list) -> str:
-    """'same/total': outputs whose token ids equal plain decoding's, prompt by prompt."""
+    """'same/total': outputs whose token ids equal plain decoding's, prompt by prompt ('-': not compared)."""
+    if outputs is None:
+        return "-"
     same = sum(o == b.token_ids for o, b in zip(outputs, baseline_outputs))
     return f"{same}/{len(outputs)}"
 
@@ -155,7 +157,7 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
     """Peer engines on the same checkpoint, prompts and draft model (batch 1, greedy): HF
     transformers (plain / assisted / prompt lookup) and llama.cpp (plain / prompt lookup /
     draft model). A peer that cannot run here is recorded with the reason, not silently dropped."""
-    from specdecode.bench.peers import run_llama_cpp, run_transformers
+    from specdecode.bench.peers import run_llama_cpp, run_llama_cpp_native, run_transformers
     from specdecode.defaults import DEFAULT_MODEL_NAME, is_default_model, models_dir
 
     drafts = [m.config for m in cfg.methods if m.config and m.config["method"] == "draft_model"]
@@ -170,6 +172,9 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
                                                  k, cfg.seed),
         "llama.cpp": lambda: run_llama_cpp(model_dir, draft_dir, [llm.tokenizer.encode(p) for p in prompts],
                                            cfg.max_tokens, k, torch.get_num_threads()),
+        "llama.cpp-bin": lambda: run_llama_cpp_native(model_dir, draft_dir, prompts,
+                                                      [llm.tokenizer.encode(p) for p in prompts], cfg.max_tokens, k,
+                                                      torch.get_num_threads(), cfg.quantization),
     }
     records = []
     for engine in cfg.peers:
@@ -184,5 +189,6 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
             records.append({"method": row["method"], "engine": engine, "config": None,
                             **_timed(temperature, 1, len(prompts), row["tokens"], row["wall_seconds"]),
                             "speedup": round(tps / baseline[0]["tokens_per_second"], 3),
-                            "outputs_equal_to_plain": _equal_to_plain(row["outputs"], baseline[1])})
+                            "outputs_equal_to_plain": _equal_to_plain(row["outputs"], baseline[1]),
+                            **{key: row[key] for key in ("spread", "acceptance_rate") if key in row}})
     return records

@@ -130,3 +130,83 @@ def gguf_file(model_dir: Path) -> Path:
         export_gguf(model_dir, tmp)
         tmp.replace(path)
     return path
+
+
+# ---- llama.cpp's own binaries ------------------------------------------------------------------
+
+GGUF_TYPE = {None: "F16", "int8": "Q8_0", "int4": "Q4_0"}  # our weight precision -> llama.cpp's nearest
+
+
+def llama_cpp_bin_dir() -> Path:
+    """Where llama.cpp's binaries are: $SPECDECODE_LLAMA_CPP_BIN (a cmake build's bin/ folder)."""
+    import os
+
+    env = os.environ.get("SPECDECODE_LLAMA_CPP_BIN")
+    if not env or not (Path(env) / "llama-bench").is_file():
+        raise ImportError("llama.cpp's binaries were not found: build llama-bench, llama-quantize and "
+                          "llama-speculative-simple with cmake and set SPECDECODE_LLAMA_CPP_BIN to their folder")
+    return Path(env)
+
+
+def quantized_gguf(model_dir: Path, gguf_type: str, bin_dir: Path) -> Path:
+    """`model_dir` as GGUF of `gguf_type` (F16 as exported; Q8_0 / Q4_0 by llama-quantize), cached."""
+    import subprocess
+
+    f16 = gguf_file(model_dir)
+    if gguf_type == "F16":
+        return f16
+    path = f16.with_name(f"{f16.stem}-{gguf_type}.gguf")
+    if not path.is_file():
+        tmp = path.with_suffix(".tmp")
+        subprocess.run([str(bin_dir / "llama-quantize"), str(f16), str(tmp), gguf_type], check=True,
+                       capture_output=True)
+        tmp.replace(path)
+    return path
+
+
+def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[str], prompt_ids: list[list[int]],
+                         max_tokens: int, k: int, threads: int, quantization: str | None) -> list[dict]:
+    """llama.cpp's own binaries, greedy, batch 1, at the weight precision matching ours:
+    - `llama-bench` plain decoding of max_tokens tokens at the prompts' mean context depth;
+    - `llama-speculative-simple` per prompt with prompt lookup (ngram-simple) and with the draft model.
+    Rows report llama.cpp's own decode timing (model loading and prompt processing excluded)."""
+    import json
+    import re
+    import subprocess
+    import tempfile
+
+    bin_dir = llama_cpp_bin_dir()
+    gguf_type = GGUF_TYPE[quantization.split("-")[0] if quantization else None]
+    target = quantized_gguf(model_dir, gguf_type, bin_dir)
+    depth = round(sum(len(p) for p in prompt_ids) / len(prompt_ids))
+    bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(target), "-t", str(threads), "-p", "0",
+                            "-n", str(max_tokens), "-d", str(depth), "-r", "5", "-o", "json"],
+                           check=True, capture_output=True, text=True)
+    result = json.loads(bench.stdout)[0]
+    rows = [{"method": f"llama.cpp {gguf_type} (llama-bench tg{max_tokens} @ d{depth})",
+             "tokens": max_tokens, "wall_seconds": max_tokens / result["avg_ts"], "outputs": None,
+             "spread": f"+-{result['stddev_ts']:.0f} tok/s"}]
+    variants = [(f"llama.cpp {gguf_type} prompt-lookup k={k}", ["--spec-type", "ngram-simple"])]
+    if draft_dir is not None and (draft_dir / "config.json").is_file():
+        draft = quantized_gguf(draft_dir, gguf_type, bin_dir)
+        variants.append((f"llama.cpp {gguf_type} draft-model k={k}", ["--spec-type", "draft-simple", "-md", str(draft)]))
+    decoded = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds")
+    counts = {name: re.compile(rf"{name}\s*=\s*(\d+)") for name in ("n_drafted", "n_accept")}
+    for label, extra in variants:
+        tokens = seconds = drafted = accepted = 0
+        for prompt in prompts:
+            with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+                f.write(prompt)
+                f.flush()
+                out = subprocess.run([str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-f", f.name,
+                                      "-n", str(max_tokens), "--temp", "0", "--ignore-eos", "-t", str(threads),
+                                      "--spec-draft-n-max", str(k), *extra],
+                                     check=True, capture_output=True, text=True)
+            log = out.stdout + out.stderr
+            n, s = decoded.search(log).groups()
+            tokens, seconds = tokens + int(n), seconds + float(s)
+            drafted += int(counts["n_drafted"].search(log).group(1))
+            accepted += int(counts["n_accept"].search(log).group(1))
+        rows.append({"method": label, "tokens": tokens, "wall_seconds": seconds, "outputs": None,
+                     "acceptance_rate": round(accepted / max(1, drafted), 3)})
+    return rows

@@ -61,12 +61,14 @@ def build_attention(entries: list[ForwardEntry], scratch: int, sliding_window: i
     write = torch.where(real, cols, torch.full_like(cols, scratch))
     slots = [e.slot for e in entries]
     contiguous = slots == list(range(slots[0], slots[0] + B))
+    same_columns = all(e.start == entries[0].start and len(e.token_ids) == T for e in entries)  # no padding
     batch = AttentionBatch(
         attn_mask=mask[:, None].to(device),  # [B, 1, T, S]
         slot_ids=torch.tensor(slots, device=device),
         write_indices=write.to(device),
         num_keys=S,
         slot_range=(slots[0], slots[0] + B) if contiguous else None,
+        write_start=entries[0].start if contiguous and same_columns else None,
     )
     return input_ids.to(device), positions.to(device), batch
 

@@ -14,8 +14,9 @@ import torch
 
 from specdecode.errors import ModelLoadError
 from specdecode.models.config import ModelConfig
-from specdecode.models.llama import LlamaForCausalLM, fuse_projections
-from specdecode.models.quant import QuantScheme, quantize_checkpoint_model
+from specdecode.models.inference import prepare_for_inference
+from specdecode.models.llama import LlamaForCausalLM
+from specdecode.models.quant import QuantScheme
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -50,8 +51,8 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                quantization: QuantScheme | None = None) -> LlamaForCausalLM:
-    """The checkpoint as a frozen inference model (projections fused), its linear layers
-    quantised when `quantization` is set (packed weights cached on disk by checkpoint hash)."""
+    """The checkpoint as a frozen inference model (`prepare_for_inference`: projections fused,
+    linear layers quantised when `quantization` is set, else packed for bf16/fp16 on CPU)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
@@ -75,5 +76,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE frequencies) are still on meta: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
-    model = fuse_projections(model.eval().requires_grad_(False))
-    return quantize_checkpoint_model(model, path, quantization)
+    return prepare_for_inference(model, path, dtype, device, quantization)

@@ -10,8 +10,8 @@ import torch
 from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.ragged import ForwardEntry, build_attention
 from specdecode.errors import ConfigError
+from specdecode.models.inference import prepare_for_inference
 from specdecode.models.llama import KVCache
-from specdecode.models.quant import quantize_checkpoint_model
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.drafters.dflash.model import DFlashDrafter, load_dflash
@@ -36,7 +36,7 @@ class DFlashProposer(TargetFeatureBuffer):
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, self.default_checkpoint)
-        self.drafter = quantize_checkpoint_model(self._load(ctx, path), path, ctx.quantization)
+        self.drafter = prepare_for_inference(self._load(ctx, path), path, ctx.dtype, ctx.device, ctx.quantization)
         cfg = self.drafter.cfg
         if ctx.config.num_speculative_tokens > cfg.block_size - 1:
             raise ConfigError(f"speculative_config.num_speculative_tokens ({ctx.config.num_speculative_tokens}) exceeds "

@@ -8,8 +8,8 @@ import torch
 from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.ragged import ForwardEntry, build_attention, merge_rows
 from specdecode.errors import ConfigError
+from specdecode.models.inference import prepare_for_inference
 from specdecode.models.llama import KVCache
-from specdecode.models.quant import quantize_checkpoint_model
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
@@ -30,7 +30,8 @@ class EagleProposer(TargetFeatureBuffer):
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-{self.variant}")
-        self.drafter = quantize_checkpoint_model(load_drafter(path, ctx.dtype, ctx.device), path, ctx.quantization)
+        self.drafter = prepare_for_inference(load_drafter(path, ctx.dtype, ctx.device), path, ctx.dtype, ctx.device,
+                                             ctx.quantization)
         if self.drafter.cfg.variant != self.variant:
             raise ConfigError(f"speculative_config.model {str(path)!r} is a {self.drafter.cfg.variant!r} drafter, "
                               f"not {self.variant!r}")

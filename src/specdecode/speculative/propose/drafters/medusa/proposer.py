@@ -19,7 +19,7 @@ import torch
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.errors import ConfigError
-from specdecode.models.quant import quantize_checkpoint_model
+from specdecode.models.inference import prepare_for_inference
 from specdecode.speculative.propose.drafters.medusa.model import load_heads
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
@@ -41,7 +41,8 @@ class MedusaProposer(ProposerBase[MedusaState]):
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-medusa")
-        self.heads = quantize_checkpoint_model(load_heads(path, ctx.dtype, ctx.device), path, ctx.quantization)
+        self.heads = prepare_for_inference(load_heads(path, ctx.dtype, ctx.device), path, ctx.dtype, ctx.device,
+                                           ctx.quantization)
         depth = ctx.config.num_speculative_tokens
         if depth > self.heads.num_heads:
             raise ConfigError(f"speculative_config.num_speculative_tokens ({depth}) exceeds this Medusa "
