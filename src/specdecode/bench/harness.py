@@ -48,6 +48,7 @@ class BenchConfig:
     dtype: str = "auto"
     device: str = "auto"
     quantization: str | None = None  # weight-only int8 / int4 for every method's target and drafter
+    compile: bool = False  # torch.compile every method's target forward (compilation happens in the warm-up)
     seed: int = 0
     out_dir: Path = Path("bench_out")
     peers: list[str] = dataclasses.field(default_factory=list)  # PEERS
@@ -94,7 +95,8 @@ def run_bench(cfg: BenchConfig) -> dict:
         for concurrency in cfg.concurrency:
             bar.set_postfix(T=temperature, c=concurrency)
             llms = [LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
-                        max_num_seqs=concurrency, seed=cfg.seed, quantization=cfg.quantization) for method in cfg.methods]
+                        max_num_seqs=concurrency, seed=cfg.seed, quantization=cfg.quantization,
+                        compile=cfg.compile) for method in cfg.methods]
             info = info or machine_info(llms[0])
             measured = measure_interleaved(llms, prompts, params, cfg.repeats, concurrency, on_run=lambda: bar.update(1))
             baseline = None

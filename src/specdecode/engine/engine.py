@@ -92,6 +92,8 @@ class LLM:
     embedded default model. speculative_config: a dict or vLLM-style JSON string (see README).
     quantization: weight-only "int8" or "int4" (groups of 32; "int4-g64", "int4-g128") for the
     target and its drafter, quantised at load time and cached on disk; None = dtype weights.
+    compile: torch.compile the target's forward (and a draft model's): faster steps after a
+    one-time compilation of a few graphs (tens of seconds on a CPU; logged, and cached by PyTorch).
     """
 
     def __init__(
@@ -104,12 +106,14 @@ class LLM:
         max_model_len: int | None = None,
         seed: int = 0,
         quantization: str | None = None,
+        compile: bool = False,
     ):
         model_dir = Path(model) if model is not None else default_model_dir()
         if not model_dir.is_dir():
             raise ModelLoadError(f"model directory {model_dir} does not exist")
         self.config = EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
-                                   max_model_len=max_model_len, seed=seed, quantization=quantization)
+                                   max_model_len=max_model_len, seed=seed, quantization=quantization,
+                                   compile=compile)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype()
         self.tokenizer = Tokenizer(model_dir)
@@ -122,7 +126,8 @@ class LLM:
             raise ConfigError(f"max_model_len={max_model_len} exceeds this model's context "
                               f"(max_position_embeddings={context}); accepted: 2 .. {context}, or None for {context}")
         self.max_model_len = max_model_len or context
-        self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device, self.quantization)
+        self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device, self.quantization,
+                             compile=compile)
         self.scheduler = Scheduler(max_num_seqs, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys(
             self.model_config.eos_token_ids + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())))

@@ -106,6 +106,7 @@ class ProposerContext:
     device: torch.device
     grouping: "LengthGrouping"  # how ragged forwards are cut into length groups on this device
     quantization: "QuantScheme | None" = None  # the target's weight quantisation: learned drafters load with it too
+    compile: bool = False  # the target's forward is compiled: a draft model's is too
 
 
 class Proposer(Protocol):

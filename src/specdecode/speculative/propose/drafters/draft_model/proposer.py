@@ -45,7 +45,8 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         if self.model.config.max_position_embeddings < ctx.max_len:
             raise ConfigError(f"speculative_config.model: the drafter's context ({self.model.config.max_position_embeddings}) "
                               f"is shorter than the target's max_model_len ({ctx.max_len})")
-        self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device, ctx.quantization)
+        self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device, ctx.quantization,
+                             compile=ctx.compile)
         self.p_min = ctx.config.draft_p_min
 
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
