@@ -7,13 +7,14 @@ from helpers import PROMPTS, generate_ids
 from specdecode import LLM, SamplingParams
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 
-def test_compiled_plain_and_speculative_decoding_equal_eager_and_stop_compiling(native_model):
+def test_compiled_plain_and_speculative_decoding_equal_eager_and_stop_compiling(native_model, trained_drafters):
+    # EAGLE-3 reads hidden-state taps from the target's forward: the path compilation once got wrong.
+    eagle3 = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(trained_drafters["eagle3"])}
     eager_plain = generate_ids(native_model, PROMPTS, GREEDY)
-    eager_spec = generate_ids(native_model, PROMPTS, GREEDY, NGRAM)
-    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=NGRAM, compile=True)
+    eager_spec = generate_ids(native_model, PROMPTS, GREEDY, eagle3)
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=eagle3, compile=True)
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == eager_spec
     assert [o.token_ids for o in llm.generate(PROMPTS[:1], GREEDY)] == eager_spec[:1]  # batch 1 too
     graphs = llm.runner.num_graphs

@@ -9,6 +9,7 @@ so they can neither corrupt a sequence nor produce NaNs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -22,6 +23,23 @@ from specdecode.models.quant import QuantScheme
 log = logging.getLogger(__name__)
 
 COMPILED_MAX_TOKENS = 64  # forwards with more new tokens per sequence (prefills) run eager
+
+
+def compile_settings() -> contextlib.ExitStack:
+    """Dynamo settings around every compiled forward call (they act when a graph is compiled).
+
+    - No "duck" sizes: two dimensions equal once (4 sequences in 4 KV slots) must not become a
+      guard that the next batch breaks.
+    - Python ints are constants: traced as symbols, the hidden taps went wrong (`i in taps`
+      was false, no tap came back); the forward reads no int that changes between steps.
+    - 4 kinds of forward x 2 tap sets (profiling, drafting) fit the recompile limit with room."""
+    import torch._dynamo.config as dynamo_config
+    import torch.fx.experimental._config as fx_config
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(fx_config.patch(use_duck_shape=False))
+    stack.enter_context(dynamo_config.patch(specialize_int=True, recompile_limit=32))
+    return stack
 
 
 @dataclasses.dataclass(slots=True)
@@ -41,7 +59,7 @@ class Runner:
         # taps), compiled the first time that kind runs and reused for every width, batch size and
         # context after (tests/test_compile.py counts them).
         self.compiled = compile
-        self._model_forward = torch.compile(model.forward, dynamic=True) if compile else model.forward
+        self._compiled_forward = torch.compile(model.forward, dynamic=True) if compile else None
         self.compile_seconds = 0.0  # wall time of the forwards that compiled a new graph
         self.num_graphs = 0
         self.quantization = quantization  # how the weights are stored (drafters follow it; cost profiles key on it)
@@ -85,13 +103,10 @@ class Runner:
         # One code path for every batch: the slice fast paths would each be another graph (their
         # branches and integer values are guarded on), and compiled gathers cost little.
         batch.slot_range = batch.write_start = None
-
         before = counters["stats"]["unique_graphs"]
         start = time.perf_counter()
-        # No "duck" sizes: two dimensions equal once (4 sequences in 4 KV slots, as many keys as
-        # tokens) must not become a guard that the next batch breaks.
-        with torch.fx.experimental._config.patch(use_duck_shape=False):
-            out = self._model_forward(input_ids, positions, batch, self.kv_cache, hidden_taps)
+        with compile_settings():
+            out = self._compiled_forward(input_ids, positions, batch, self.kv_cache, hidden_taps)
         new = counters["stats"]["unique_graphs"] - before
         if new:
             seconds = time.perf_counter() - start

@@ -204,7 +204,7 @@ class Attention(nn.Module):
         mask = batch.attn_mask if batch is not None else None
         if cache_k is not None:
             write_kv(cache_k, cache_v, batch, k, v)
-            S = batch.num_keys
+            S = mask.shape[-1] if mask is not None else batch.num_keys  # a size, not an int: compiled graphs stay general
             if batch.slot_range is not None:
                 a, b = batch.slot_range
                 k, v = cache_k[a:b, :S], cache_v[a:b, :S]  # views, no copy
