@@ -9,37 +9,14 @@ so they can neither corrupt a sequence nor produce NaNs.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import logging
-import time
 
 import torch
 
+from specdecode.engine.compiled import CompiledForward
 from specdecode.engine.ragged import ForwardEntry, LengthGrouping, build_attention, merge_rows
 from specdecode.models.llama import KVCache, LlamaForCausalLM
 from specdecode.models.quant import QuantScheme
-
-log = logging.getLogger(__name__)
-
-COMPILED_MAX_TOKENS = 64  # forwards with more new tokens per sequence (prefills) run eager
-
-
-def compile_settings() -> contextlib.ExitStack:
-    """Dynamo settings around every compiled forward call (they act when a graph is compiled).
-
-    - No "duck" sizes: two dimensions equal once (4 sequences in 4 KV slots) must not become a
-      guard that the next batch breaks.
-    - Python ints are constants: traced as symbols, the hidden taps went wrong (`i in taps`
-      was false, no tap came back); the forward reads no int that changes between steps.
-    - 4 kinds of forward x 2 tap sets (profiling, drafting) fit the recompile limit with room."""
-    import torch._dynamo.config as dynamo_config
-    import torch.fx.experimental._config as fx_config
-
-    stack = contextlib.ExitStack()
-    stack.enter_context(fx_config.patch(use_duck_shape=False))
-    stack.enter_context(dynamo_config.patch(specialize_int=True, recompile_limit=32))
-    return stack
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,15 +31,8 @@ class Runner:
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  quantization: QuantScheme | None = None, compile: bool = False):
         self.model = model
-        # torch.compile of the decode / verify forward (prefills stay eager), shapes dynamic: one
-        # graph per kind of forward (batch 1 or more, 1 or more new tokens, with or without hidden
-        # taps), compiled the first time that kind runs and reused for every width, batch size and
-        # context after (tests/test_compile.py counts them).
-        self.compiled = compile
-        self._compiled_forward = torch.compile(model.forward, dynamic=True) if compile else None
-        self.compile_seconds = 0.0  # wall time of the forwards that compiled a new graph
-        self.num_graphs = 0
         self.quantization = quantization  # how the weights are stored (drafters follow it; cost profiles key on it)
+        self.model_forward = CompiledForward(model.forward, compile, "target")  # decode / verify forwards compiled
         self.device = device
         self.dtype = dtype
         self.max_len = max_len
@@ -83,7 +53,8 @@ class Runner:
     def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...]) -> ForwardResult:
         input_ids, positions, batch = build_attention(
             entries, self.kv_cache.scratch_index, self.model.config.sliding_window, self.device)
-        out = self._run_model(input_ids, positions, batch, hidden_taps)
+        out = self.model_forward(input_ids.shape[1], batch, input_ids, positions, kv_cache=self.kv_cache,
+                                 hidden_taps=hidden_taps)
         # LM head only where logits are needed: the last num_logits real tokens of each entry.
         num_new = [len(e.token_ids) for e in entries]
         N = max(e.num_logits for e in entries)
@@ -94,24 +65,3 @@ class Runner:
         hidden_sel = torch.gather(out.hidden, 1, index[:, :, None].expand(-1, -1, out.hidden.shape[-1]))
         logits = self.model.compute_logits(hidden_sel)  # [B, N, V]
         return ForwardResult(logits, out.hidden, out.taps, num_new)
-
-    def _run_model(self, input_ids, positions, batch, hidden_taps):
-        if not self.compiled or input_ids.shape[1] > COMPILED_MAX_TOKENS:
-            return self.model(input_ids, positions, batch, self.kv_cache, hidden_taps)
-        from torch._dynamo.utils import counters
-
-        # One code path for every batch: the slice fast paths would each be another graph (their
-        # branches and integer values are guarded on), and compiled gathers cost little.
-        batch.slot_range = batch.write_start = None
-        before = counters["stats"]["unique_graphs"]
-        start = time.perf_counter()
-        with compile_settings():
-            out = self._compiled_forward(input_ids, positions, batch, self.kv_cache, hidden_taps)
-        new = counters["stats"]["unique_graphs"] - before
-        if new:
-            seconds = time.perf_counter() - start
-            self.compile_seconds += seconds
-            self.num_graphs += new
-            log.info("compiled %d new graph(s) of the forward in %.1fs (%d in all, %.1fs)", new, seconds,
-                     self.num_graphs, self.compile_seconds)
-        return out

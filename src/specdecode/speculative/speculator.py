@@ -62,7 +62,7 @@ class Speculator:
         ctx = ProposerContext(config=config, target=runner.model, target_dir=target.model_dir, tokenizer=target.tokenizer,
                               num_slots=target.max_num_seqs, max_len=target.max_model_len, dtype=runner.dtype,
                               device=runner.device, grouping=runner.grouping, quantization=runner.quantization,
-                              compile=runner.compiled)
+                              compile=runner.model_forward.enabled)
         proposer_class = PROPOSERS[config.method]
         if config.tree_topk > 1 and not proposer_class.supports_tree:  # refused before any checkpoint is read
             tree_methods = sorted(m for m, cls in PROPOSERS.items() if cls.supports_tree)

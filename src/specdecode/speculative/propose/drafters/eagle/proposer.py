@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
+from specdecode.engine.compiled import CompiledForward
 from specdecode.engine.ragged import ForwardEntry, build_attention, merge_rows
 from specdecode.errors import ConfigError
 from specdecode.models.inference import prepare_for_inference
@@ -51,6 +52,7 @@ class EagleProposer(TargetFeatureBuffer):
         # Drafting writes past the committed columns: k chain steps, or topk nodes per tree level.
         extra = self.depth * max(1, self.topk) + 2
         self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + extra, ctx.dtype, ctx.device)
+        self.drafter_forward = CompiledForward(self.drafter.forward, ctx.compile, self.variant)
 
     def target_features(self, result) -> torch.Tensor:
         return self.drafter.raw_features(result.hidden, result.taps, self.drafter.cfg.aux_layers)
@@ -71,8 +73,8 @@ class EagleProposer(TargetFeatureBuffer):
         feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
         for b, f in enumerate(features):
             feats[b, : f.shape[0]] = f
-        return self.drafter(self.target.model.embed_tokens(input_ids), feats, positions, batch,
-                            self.kv_cache.k[0], self.kv_cache.v[0])
+        return self.drafter_forward(T, batch, self.target.model.embed_tokens(input_ids), feats, positions,
+                                    cache_k=self.kv_cache.k[0], cache_v=self.kv_cache.v[0])
 
     def _forward_last(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
         """o at each entry's last token [B, d]."""
