@@ -9,6 +9,7 @@ from specdecode.bench import harness, methods, report, timing
 from specdecode.bench.harness import BenchConfig, run_bench
 from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.timing import measure_interleaved, rounds_of, speedup_interval
+from specdecode.config import EngineConfig
 from specdecode.errors import ConfigError
 
 
@@ -145,6 +146,7 @@ def test_repeats_are_interleaved_across_methods():
     class Engine:
         def __init__(self, name):
             self.name, self.stats = name, None
+            self.config = EngineConfig(model="m")  # eager: one warm-up
 
         def generate(self, prompts, params):
             log.append(self.name)

@@ -186,6 +186,10 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
             log.warning("peer %s unavailable: %s", engine, e)
             errors[engine] = f"not installed: {e}"
             continue
+        except Exception as e:  # a peer that fails must not cost the run its own results
+            log.warning("peer %s failed: %r", engine, e)
+            errors[engine] = f"failed: {type(e).__name__}: {e}"
+            continue
         for row in rows:
             tps = row["tokens"] / row["wall_seconds"]
             records.append({"method": row["method"], "engine": engine, "config": None,

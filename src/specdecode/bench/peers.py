@@ -203,6 +203,9 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
                                       "--spec-draft-n-max", str(k), *extra],
                                      check=True, capture_output=True, text=True)
             log = out.stdout + out.stderr
+            if decoded.search(log) is None:
+                raise RuntimeError(f"{label}: llama-speculative-simple printed no decode timing for a prompt; "
+                                   f"its output ends: {log[-300:]!r}")
             n, s = decoded.search(log).groups()
             tokens, seconds = tokens + int(n), seconds + float(s)
             drafted += int(counts["n_drafted"].search(log).group(1))

@@ -37,8 +37,10 @@ def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[Sampli
                         concurrency: int = 1, on_run=lambda: None) -> list[Measured]:
     """Time every engine on the same rounds of prompts, round by round: engines A, B, C on
     round 1, then B, C, A on round 2, ... (`repeats` passes over all rounds)."""
-    for llm in llms:
-        llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=8))  # warm-up (allocations, caches)
+    for llm in llms:  # warm-up (allocations, caches, and with compile=True every kind of step compiled)
+        warm = [prompts[i % len(prompts)] for i in range(max(1, concurrency))]
+        for _ in range(2 if llm.config.compile else 1):
+            llm.generate(warm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
     rounds = rounds_of(len(prompts), concurrency)
     measured = [Measured([], []) for _ in llms]
     turn = 0

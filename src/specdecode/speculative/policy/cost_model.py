@@ -119,7 +119,7 @@ class LiveCost:
 
 
 def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device, variant: str = "") -> Path:
-    """`variant`: what else changes the forward's speed (the weights' quantisation)."""
+    """`variant`: what else changes the forward's speed (the weights' quantisation, compilation)."""
     weights = sorted(Path(model_dir).glob("*.safetensors"))
     stamp = [str(Path(model_dir).resolve())] + [f"{w.name}:{w.stat().st_mtime_ns}" for w in weights]
     key = "|".join(stamp + [str(dtype), str(device), torch.__version__, str(torch.get_num_threads())]
@@ -168,8 +168,9 @@ def monotone(table: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
 
 
 def load_or_profile(runner: Runner, model_dir: Path, max_batch: int, max_width: int, thorough: bool = False) -> CostModel:
-    path = cache_path(model_dir, runner.dtype, runner.device,
-                      runner.quantization.name if runner.quantization is not None else "")
+    variant = [runner.quantization.name] if runner.quantization is not None else []
+    variant += ["compiled"] if runner.model_forward.enabled else []
+    path = cache_path(model_dir, runner.dtype, runner.device, "+".join(variant))
     if path.is_file() and not thorough:
         try:
             data = json.loads(path.read_text())
