@@ -92,7 +92,7 @@ class LLM:
     embedded default model. speculative_config: a dict or vLLM-style JSON string (see README).
     quantization: weight-only "int8" or "int4" (groups of 32; "int4-g64", "int4-g128") for the
     target and its drafter, quantised at load time and cached on disk; None = dtype weights.
-    compile: torch.compile the target's forward (and a draft model's): faster steps after a
+    compile: torch.compile the target's forward (a draft model's, an EAGLE/MTP drafter's step): faster steps after a
     one-time compilation of a few graphs (tens of seconds on a CPU; logged, and cached by PyTorch).
     """
 

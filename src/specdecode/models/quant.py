@@ -11,10 +11,11 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
 328 us, int8 119-159 us, int4 192 us; see BENCHMARKS.md "Weight-only quantisation"):
 - bf16 / fp16 on CPU: PyTorch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`.
   They cost one weight read per row (a GEMV each), so a verify forward of n rows costs
-  about n times the one-row matmul; torchao ships no faster CPU kernel, and inductor's
-  dequantise-GEMM measured 2.8-6x slower than `_weight_int8pack_mm` here.
-- float32 (the tests' precision), and devices without those kernels: a dense matmul with the
-  dequantised weight, built once on first use. Correct everywhere; fast only where dense is.
+  about n times the one-row matmul. Inductor's dequantise-GEMM measured 2.8-6x slower than
+  `_weight_int8pack_mm` here; torchao's kernels have not been measured yet.
+- float32 (the tests' precision), and devices without those kernels (CUDA is not wired yet):
+  a dense matmul with the dequantised weight, built once on first use (so it holds a dense
+  copy too). Correct everywhere; fast only where dense is.
 """
 
 from __future__ import annotations
@@ -245,10 +246,10 @@ class QuantCache:
                 log.warning("ignoring the unreadable quantisation cache %s (%s)", path, e)
 
     @classmethod
-    def for_checkpoint(cls, model_dir: Path, scheme: QuantScheme, tag: str = "") -> "QuantCache":
+    def for_checkpoint(cls, model_dir: Path, scheme: QuantScheme) -> "QuantCache":
         from specdecode.defaults import cache_root
 
-        return cls(cache_root() / "quantized" / f"{checkpoint_hash(model_dir)}-{tag}{scheme.name}.safetensors")
+        return cls(cache_root() / "quantized" / f"{checkpoint_hash(model_dir)}-{scheme.name}.safetensors")
 
     def get(self, name: str) -> dict[str, torch.Tensor] | None:
         prefix = name + "/"
@@ -285,12 +286,11 @@ def checkpoint_hash(model_dir: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def quantize_checkpoint_model(module: nn.Module, model_dir: Path | None, scheme: QuantScheme | None,
-                              tag: str = "") -> nn.Module:
+def quantize_checkpoint_model(module: nn.Module, model_dir: Path | None, scheme: QuantScheme | None) -> nn.Module:
     """quantize_module with the on-disk cache of `model_dir`'s checkpoint (None: no cache)."""
     if scheme is None:
         return module
-    cache = QuantCache.for_checkpoint(model_dir, scheme, tag) if model_dir is not None else None
+    cache = QuantCache.for_checkpoint(model_dir, scheme) if model_dir is not None else None
     quantize_module(module, scheme, cache)
     if cache is not None:
         try:
