@@ -181,7 +181,7 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
     depth = round(sum(len(p) for p in prompt_ids) / len(prompt_ids))
     bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(target), "-t", str(threads), "-p", "0",
                             "-n", str(max_tokens), "-d", str(depth), "-r", "5", "-o", "json"],
-                           check=True, capture_output=True, text=True)
+                           check=True, capture_output=True, text=True, errors="replace")
     result = json.loads(bench.stdout)[0]
     rows = [{"method": f"llama.cpp {gguf_type} (llama-bench tg{max_tokens} @ d{depth})",
              "tokens": max_tokens, "wall_seconds": max_tokens / result["avg_ts"], "outputs": None,
@@ -201,8 +201,8 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
                 out = subprocess.run([str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-f", f.name,
                                       "-n", str(max_tokens), "--temp", "0", "--ignore-eos", "-t", str(threads),
                                       "--spec-draft-n-max", str(k), *extra],
-                                     check=True, capture_output=True, text=True)
-            log = out.stdout + out.stderr
+                                     check=True, capture_output=True, text=True, errors="replace")
+            log = out.stdout + out.stderr  # generated text need not be valid UTF-8 (random-weight models)
             if decoded.search(log) is None:
                 raise RuntimeError(f"{label}: llama-speculative-simple printed no decode timing for a prompt; "
                                    f"its output ends: {log[-300:]!r}")
