@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdecode.models.quant import QuantScheme, quantize_checkpoint_model
+from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
 
 PACK_BATCH_HINT = 8  # oneDNN picks its layout for this many rows; measured best over 1-16 rows here
 
@@ -105,7 +105,11 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
 
     module = fuse_projections(module.eval().requires_grad_(False))
     if quantization is not None:
-        return quantize_checkpoint_model(module, checkpoint_dir, quantization)
+        quantize_checkpoint_model(module, checkpoint_dir, quantization)
+        for layer in module.modules():
+            if isinstance(layer, QuantizedLinear) and not layer.is_view:
+                layer.prepare(dtype)
+        return module
     if can_pack(dtype, device):
         return pack_linears(module)
     return module

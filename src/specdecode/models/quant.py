@@ -111,6 +111,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", bias)
         self._kernel_weights: dict[tuple, tuple] = {}  # (dtype, device) -> packed tensors for the kernel
         self._dense: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> dequantised weight, for the dense path
+        self.is_view = False  # rows of a fused layer (`rows`), kept for code that calls a member alone
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
@@ -153,6 +154,15 @@ class QuantizedLinear(nn.Module):
                 self._kernel_weights[key] = (packed, scales_zeros)
         return self._kernel_weights[key]
 
+    def prepare(self, dtype: torch.dtype) -> None:
+        """Build what forward will use for `dtype` activations now, not on the first call (a
+        compiled forward traced the lazy build and recompiled once it existed)."""
+        probe = torch.empty(0, dtype=dtype, device=self.qweight.device)
+        if self._uses_kernel(probe):
+            self._kernel_tensors(dtype)
+        else:
+            self._dense_weight(dtype)
+
     def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         key = (dtype, self.qweight.device)
         if key not in self._dense:
@@ -180,7 +190,9 @@ class QuantizedLinear(nn.Module):
         """Output rows [start, stop) as a layer of their own, sharing this one's storage."""
         stored = {name: getattr(self, name)[start:stop] for name in ("qweight", "scales", "zeros") if hasattr(self, name)}
         bias = None if self.bias is None else self.bias[start:stop]
-        return QuantizedLinear(stored, self.in_features, stop - start, self.scheme, bias)
+        rows = QuantizedLinear(stored, self.in_features, stop - start, self.scheme, bias)
+        rows.is_view = True  # `prepare` leaves it lazy: an int4 kernel layout of its own would be a copy
+        return rows
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}"
