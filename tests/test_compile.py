@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers import PROMPTS, generate_ids
 
 from specdecode import LLM, SamplingParams
+from specdecode.errors import ConfigError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -31,3 +33,8 @@ def test_compiled_plain_and_speculative_decoding_equal_eager_and_stop_compiling(
     print(f"{graphs} graphs compiled in {llm.runner.model_forward.seconds:.1f}s")
     plain = LLM(native_model, dtype="float32", max_num_seqs=4, compile=True)
     assert [o.token_ids for o in plain.generate(PROMPTS, GREEDY)] == eager_plain
+
+
+def test_compile_must_be_a_bool(native_model):
+    with pytest.raises(ConfigError, match="compile must be True or False"):
+        LLM(native_model, compile="yes")

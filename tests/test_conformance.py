@@ -69,12 +69,13 @@ def test_greedy_equals_plain_decoding(native_model, spec_config):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # speculation really ran
 
 
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
 @cases
-def test_greedy_equals_plain_decoding_with_int8_weights(native_model, spec_config):
-    """Target and drafter int8 (float32 activations, as every greedy-equality test): speculation
-    still changes nothing, against plain decoding of the same quantised target."""
-    plain = generate_ids(native_model, PROMPTS, GREEDY, quantization="int8")
-    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=spec_config, quantization="int8")
+def test_greedy_equals_plain_decoding_with_quantised_weights(native_model, spec_config, quantization):
+    """Target and drafter quantised (float32 activations, as every greedy-equality test):
+    speculation still changes nothing, against plain decoding of the same quantised target."""
+    plain = generate_ids(native_model, PROMPTS, GREEDY, quantization=quantization)
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=spec_config, quantization=quantization)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0

@@ -116,3 +116,9 @@ def test_plain_decoding_under_quantisation_is_deterministic_and_differs_from_flo
     assert quantized == generate_ids(native_model, PROMPTS, GREEDY, quantization=spec)
     # Different weights, different model: if this ever held, quantisation would not be running.
     assert quantized != generate_ids(native_model, PROMPTS, GREEDY)
+
+
+def test_a_layer_whose_input_is_no_multiple_of_the_int4_group_stays_dense():
+    module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
+    quantize_module(module, QuantScheme.parse("int4"))  # groups of 32: 16 inputs do not fit
+    assert isinstance(module[0], torch.nn.Linear) and isinstance(module[1], QuantizedLinear)

@@ -35,7 +35,6 @@ def _packed_linear_shape(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
 
 
-
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
     return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
             and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
@@ -80,21 +79,13 @@ class FusedMember(nn.Module):
 
 def pack_linears(module: nn.Module) -> nn.Module:
     """Replace every dense linear layer (and fused projection) under `module` by a PackedLinear."""
-    from specdecode.models.llama import FusedLinear
-    from specdecode.models.quant import FUSED_MEMBERS
+    from specdecode.models.llama import replace_linears
 
-    for owner in list(module.modules()):
-        for fused_name, members in FUSED_MEMBERS.items():
-            fused = getattr(owner, fused_name, None)
-            if isinstance(fused, FusedLinear):
-                packed = PackedLinear(fused.weight, fused.bias, list(fused.sizes))
-                setattr(owner, fused_name, packed)
-                for index, member in enumerate(members):
-                    setattr(owner, member, FusedMember(packed, index))
-        for child_name, child in list(owner.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(owner, child_name, PackedLinear(child.weight, child.bias))
-    return module
+    def fused_layer(name: str, fused) -> tuple[PackedLinear, list[FusedMember]]:
+        packed = PackedLinear(fused.weight, fused.bias, list(fused.sizes))
+        return packed, [FusedMember(packed, index) for index in range(len(fused.sizes))]
+
+    return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias))
 
 
 def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype: torch.dtype, device,

@@ -163,6 +163,30 @@ def fuse_projections(module: nn.Module) -> nn.Module:
     return module
 
 
+# Each fused projection (set by `fuse_projections`) and its member layers, in row order.
+FUSED_MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
+def replace_linears(module: nn.Module, fused_layer, linear_layer) -> nn.Module:
+    """Swap every fused projection and every other `nn.Linear` under `module` (in place): how
+    quantisation and packing turn a fused inference model's layers into theirs.
+    fused_layer(name, FusedLinear) -> (layer, [one layer per member]); linear_layer(name, nn.Linear) -> layer.
+    Names are the modules' paths (`model.layers.0.self_attn.qkv`)."""
+    for owner_name, owner in list(module.named_modules()):
+        prefix = f"{owner_name}." if owner_name else ""
+        for fused_name, member_names in FUSED_MEMBERS.items():
+            fused = getattr(owner, fused_name, None)
+            if isinstance(fused, FusedLinear):
+                layer, members = fused_layer(prefix + fused_name, fused)
+                setattr(owner, fused_name, layer)
+                for member_name, member in zip(member_names, members):
+                    setattr(owner, member_name, member)
+        for child_name, child in list(owner.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(owner, child_name, linear_layer(prefix + child_name, child))
+    return module
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, input_size: int | None = None):
         super().__init__()

@@ -16,6 +16,7 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
 - float32 (the tests' precision), and devices without those kernels (CUDA is not wired yet):
   a dense matmul with the dequantised weight, built once on first use (so it holds a dense
   copy too). Correct everywhere; fast only where dense is.
+A layer whose input width is no multiple of the int4 group size stays in the model's dtype.
 """
 
 from __future__ import annotations
@@ -117,9 +118,8 @@ class QuantizedLinear(nn.Module):
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
                     split_sizes: list[int] | None = None) -> "QuantizedLinear":
         N, K = weight.shape
-        stored = quantize_weight(weight, scheme)
-        stored = {k: v.to(weight.device) for k, v in stored.items()}
-        return cls(stored, K, N, scheme, None if bias is None else bias.detach().clone(), split_sizes)
+        return cls(quantize_weight(weight, scheme), K, N, scheme, None if bias is None else bias.detach().clone(),
+                   split_sizes)
 
     # ---- the weight it stands for --------------------------------------------------------
 
@@ -138,10 +138,10 @@ class QuantizedLinear(nn.Module):
 
     # ---- kernels -------------------------------------------------------------------------
 
-    def _uses_kernel(self, x: torch.Tensor) -> bool:
+    def _uses_kernel(self, dtype: torch.dtype, device: torch.device) -> bool:
         # The CPU int4 kernel packs output rows in blocks of 16; other layers take the dense path.
         shape_ok = self.scheme.bits == 8 or self.out_features % 16 == 0
-        return shape_ok and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+        return shape_ok and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
     def _kernel_tensors(self, dtype: torch.dtype) -> tuple:
         key = (dtype, self.qweight.device)
@@ -157,8 +157,7 @@ class QuantizedLinear(nn.Module):
     def prepare(self, dtype: torch.dtype) -> None:
         """Build what forward will use for `dtype` activations now, not on the first call (a
         compiled forward traced the lazy build and recompiled once it existed)."""
-        probe = torch.empty(0, dtype=dtype, device=self.qweight.device)
-        if self._uses_kernel(probe):
+        if self._uses_kernel(dtype, self.qweight.device):
             self._kernel_tensors(dtype)
         else:
             self._dense_weight(dtype)
@@ -171,7 +170,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [..., K] -> [..., N] (or one view per split size)."""
-        if self._uses_kernel(x):
+        if self._uses_kernel(x.dtype, x.device):
             rows = x.reshape(-1, self.in_features)  # the kernels take 2-D rows
             if self.scheme.bits == 8:
                 qweight, scales = self._kernel_tensors(x.dtype)
@@ -198,47 +197,43 @@ class QuantizedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}"
 
 
-# Fused projections (`fuse_projections`) and the member layers that are their row slices.
-FUSED_MEMBERS = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
-
-
 def quantize_module(module: nn.Module, scheme: QuantScheme | None, cache: "QuantCache | None" = None) -> nn.Module:
     """Replace every linear layer under `module` by a QuantizedLinear (in place; returns it).
 
-    A fused projection becomes one fused quantised layer and its member layers (`q_proj`, ...,
-    still called alone by DFlash's `project_kv`) views of its rows, so the dense weights are
-    freed. `cache` supplies already-quantised tensors by layer name, and records new ones."""
+    A fused projection becomes one fused quantised layer and its member layers (`q_proj`, ...)
+    views of its rows, so the dense weights are freed. `cache` supplies already-quantised
+    tensors by layer name, and records new ones."""
     if scheme is None:
         return module
-    from specdecode.models.llama import FusedLinear
+    from specdecode.models.llama import replace_linears
 
     def quantized(name: str, weight: torch.Tensor, bias, split_sizes=None) -> QuantizedLinear:
-        N, K = weight.shape
         stored = cache.get(name) if cache is not None else None
         if stored is None:
-            stored = {k: v.to(weight.device) for k, v in quantize_weight(weight, scheme).items()}
+            stored = quantize_weight(weight, scheme)
             if cache is not None:
                 cache.put(name, stored)
         else:  # copied: safetensors' buffers are not 64-byte aligned, and the int8 kernel crashes on them
             stored = {k: v.to(weight.device, copy=True) for k, v in stored.items()}
+        N, K = weight.shape
         return QuantizedLinear(stored, K, N, scheme, None if bias is None else bias.detach().clone(), split_sizes)
 
-    for owner_name, owner in list(module.named_modules()):
-        for fused_name, members in FUSED_MEMBERS.items():
-            fused = getattr(owner, fused_name, None)
-            if isinstance(fused, FusedLinear):
-                layer = quantized(f"{owner_name}.{fused_name}", fused.weight, fused.bias, list(fused.sizes))
-                setattr(owner, fused_name, layer)
-                start = 0
-                for member, size in zip(members, fused.sizes):
-                    setattr(owner, member, layer.rows(start, start + size))
-                    start += size
-    for owner_name, owner in list(module.named_modules()):
-        for child_name, child in list(owner.named_children()):
-            if isinstance(child, nn.Linear):
-                name = f"{owner_name}.{child_name}" if owner_name else child_name
-                setattr(owner, child_name, quantized(name, child.weight, child.bias))
-    return module
+    def fits(weight: torch.Tensor) -> bool:
+        # An input width that is no multiple of the int4 group (DSpark's rank-16 Markov head) keeps
+        # that layer in the model's dtype; it is small by construction.
+        return scheme.group_size is None or weight.shape[1] % scheme.group_size == 0
+
+    def fused_layer(name: str, fused):
+        if not fits(fused.weight):
+            return fused, []  # kept, and its members as they are
+        layer = quantized(name, fused.weight, fused.bias, list(fused.sizes))
+        starts = [sum(fused.sizes[:i]) for i in range(len(fused.sizes))]
+        return layer, [layer.rows(start, start + size) for start, size in zip(starts, fused.sizes)]
+
+    def linear_layer(name: str, linear: nn.Linear):
+        return quantized(name, linear.weight, linear.bias) if fits(linear.weight) else linear
+
+    return replace_linears(module, fused_layer, linear_layer)
 
 
 class QuantCache:

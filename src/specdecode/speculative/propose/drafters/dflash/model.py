@@ -27,7 +27,7 @@ from torch import nn
 from specdecode.errors import ModelLoadError
 from specdecode.models.checkpoint import read_checkpoint, save_checkpoint
 from specdecode.models.config import ModelConfig
-from specdecode.models.llama import AttentionBatch, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, fuse_projections, write_kv
+from specdecode.models.llama import AttentionBatch, DecoderLayer, KVCache, RMSNorm, RotaryEmbedding, write_kv
 
 
 def default_target_layers(num_target_layers: int, n: int = 3) -> tuple[int, ...]:
@@ -100,7 +100,7 @@ def load_block_drafter(path: Path, kind: str, build, dtype, device):
     except (KeyError, RuntimeError) as e:
         raise ModelLoadError(f"{path} is not a {kind} checkpoint: {e}") from None
     drafter.rotary = RotaryEmbedding(drafter.cfg.layers)
-    return fuse_projections(drafter.to(device=device, dtype=dtype).eval().requires_grad_(False))
+    return drafter.to(device=device, dtype=dtype).eval().requires_grad_(False)  # served: prepare_for_inference fuses
 
 
 def load_dflash(path: Path, dtype, device) -> DFlashDrafter:

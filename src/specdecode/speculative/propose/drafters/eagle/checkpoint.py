@@ -9,7 +9,7 @@ import torch
 from specdecode.errors import ModelLoadError
 from specdecode.interop.speculators import from_speculators, is_speculators
 from specdecode.models.checkpoint import read_checkpoint, save_checkpoint
-from specdecode.models.llama import RotaryEmbedding, fuse_projections
+from specdecode.models.llama import RotaryEmbedding
 from specdecode.speculative.propose.drafters.eagle.model import EagleConfig, EagleDrafter, build_drafter
 
 
@@ -33,4 +33,4 @@ def load_drafter(path: Path, dtype: torch.dtype, device) -> EagleDrafter:
     if missing or unexpected:
         raise ModelLoadError(f"{path}: weights do not fit the config (missing {missing[:3]}, unexpected {unexpected[:3]})")
     drafter.rotary = RotaryEmbedding(cfg.layer)
-    return fuse_projections(drafter.to(device=device).to(dtype).eval().requires_grad_(False))
+    return drafter.to(device=device).to(dtype).eval().requires_grad_(False)  # served: prepare_for_inference fuses
