@@ -56,6 +56,24 @@ def test_run_bench_records_everything(native_model, native_drafter, prompt_file,
         assert (out / "speedup.png").is_file() and (out / "speedup_vs_concurrency.png").is_file()
 
 
+def test_run_bench_with_exact_off_and_on_in_one_run(native_model, native_drafter, prompt_file, tmp_path):
+    methods = parse_methods(f"ngram:k=2,draft_model:k=2:model={native_drafter}")
+    result = run_bench(BenchConfig(methods=methods, model=str(native_model), prompts=str(prompt_file), num_prompts=3,
+                                   max_tokens=8, concurrency=[2], temperatures=[0.0, 1.0], dtype="float32",
+                                   exact=[False, True], out_dir=tmp_path / "out"))
+    runs = result["runs"]
+    assert len(runs) == 2 * 2 * 3  # temperatures x exact modes x (baseline + 2 methods)
+    assert result["machine"]["exact"] is False  # the first engine's
+    for r in runs:
+        if r["exact"]:  # greedy and seeded sampling alike: exact mode reproduces its plain decoding
+            assert r["outputs_equal_to_plain"] == "3/3"
+        if r["exact"] and r["method"] == "none":
+            assert r["vs_exact_off"] > 0 and len(r["vs_exact_off_interval"]) == 2
+    assert "| ngram:k=2 | on |" in (tmp_path / "out" / "results.md").read_text()
+    with pytest.raises(ConfigError, match="exact modes"):
+        BenchConfig(methods=methods, exact=[True, True])
+
+
 def test_harness_keeps_the_names_it_had():
     """cli.py and older scripts import these from specdecode.bench.harness: the same objects."""
     for module, names in [(methods, ["MethodSpec", "parse_methods"]), (report, ["markdown_table", "write_plots"]),

@@ -71,10 +71,10 @@ def run(llm: LLM, params: list[SamplingParams], arm, after_steps: int) -> list:
 def poison_sampling(monkeypatch, llm: LLM, poisoned: SamplingParams):
     build = SamplingBatch.build.__func__
 
-    def failing_build(cls, params, generators, device):
+    def failing_build(cls, params, generators, device, **keyed):
         if any(p is poisoned for p in params):
             raise InjectedError("sampling parameters refused")
-        return build(cls, params, generators, device)
+        return build(cls, params, generators, device, **keyed)
 
     return lambda: monkeypatch.setattr(SamplingBatch, "build", classmethod(failing_build))
 

@@ -242,3 +242,18 @@ def test_bad_speculative_config_fails_at_startup(native_model):
 
     with pytest.raises(ConfigError, match="num_speculative_tokens"):
         create_server(model=str(native_model), speculative_config='{"method": "ngram", "num_speculative_tokens": -1}')
+
+
+exact_spec_server = server_fixture(drafter=True, exact=True)
+
+
+def test_exact_server_reproduces_seeded_plain_decoding(exact_spec_server, native_model):
+    """Exact mode through the API: a seeded, sampled completion from the speculative server equals
+    plain decoding of the same request offline in exact mode, token for token."""
+    llm = LLM(native_model, dtype="float32", exact=True)
+    client = exact_spec_server.client()
+    for i, prompt in enumerate(PROMPTS[:3]):
+        ref = llm.generate(prompt, SamplingParams(temperature=1.0, top_p=0.9, max_tokens=16, seed=40 + i))[0]
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=1.0, top_p=0.9,
+                                        seed=40 + i)
+        assert out.choices[0].text == ref.text

@@ -79,7 +79,15 @@ def _run_train_target(args) -> int:
     return 0
 
 
-def _add_model_args(p, speculative: bool = True) -> None:
+def _on_off(value: str) -> bool:
+    from specdecode.errors import ConfigError
+
+    if value.strip() not in ("on", "off"):
+        raise ConfigError(f"--exact {value!r}: expected off, on or off,on")
+    return value.strip() == "on"
+
+
+def _add_model_args(p, speculative: bool = True, exact: bool = True) -> None:
     p.add_argument("--model", default=None, help="HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3); default: the embedded model")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/activations dtype; auto = the measured faster one for the device (see README)")
@@ -90,6 +98,11 @@ def _add_model_args(p, speculative: bool = True) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the target's (and a draft model's) forward: faster steps after compiling a few "
                    "graphs once (tens of seconds on a CPU, logged; default: --no-compile)")
+    if exact:
+        p.add_argument("--exact", action=argparse.BooleanOptionalAction, default=False,
+                       help="exact mode (CPU): bitwise width- and batch-invariant target forwards, and requests with "
+                       "a seed sampled by position-keyed noise, so speculation reproduces plain decoding token for "
+                       "token, greedy and seeded (README 'Exact mode'; not with --compile; default: --no-exact)")
     if speculative:
         p.add_argument("--speculative-config", default=None, metavar="JSON",
                        help='vLLM-style JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (keys: README); '
@@ -122,8 +135,8 @@ def _run_generate(args) -> int:
     from specdecode.defaults import cli_speculative_config
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              compile=args.compile, speculative_config=cli_speculative_config(args.speculative_config, args.model),
-              max_num_seqs=1)
+              compile=args.compile, exact=args.exact,
+              speculative_config=cli_speculative_config(args.speculative_config, args.model), max_num_seqs=1)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
     prompt = args.prompt
@@ -191,7 +204,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process on the same checkpoint and prompts (batch 1, greedy): transformers, llama.cpp (needs llama-cpp-python and gguf: pip install -e .[peers]), llama.cpp-bin (llama.cpp's own llama-bench and llama-speculative-simple from $SPECDECODE_LLAMA_CPP_BIN, at the weight precision matching --quantization: F16, Q8_0, Q4_0)")
-    _add_model_args(p, speculative=False)
+    _add_model_args(p, speculative=False, exact=False)
+    p.add_argument("--exact", default="off", metavar="off|on|off,on",
+                   help="exact mode for every engine; off,on runs each method both ways, interleaved in one run, "
+                   "so the cost of exact mode and its identity counts come side by side (default: off)")
     p.set_defaults(func=_run_bench)
 
 
@@ -204,7 +220,8 @@ def _run_bench(args) -> int:
                       num_prompts=args.num_prompts or None, max_tokens=args.max_tokens,
                       concurrency=[int(c) for c in args.concurrency.split(",")],
                       temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
-                      device=args.device, quantization=args.quantization, compile=args.compile, seed=args.seed,
+                      device=args.device, quantization=args.quantization, compile=args.compile,
+                      exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
                       out_dir=Path(args.out),
                       repeats=args.repeats,
                       peers=[p for p in args.peers.split(",") if p])
@@ -261,7 +278,7 @@ def _run_serve(args) -> int:
 
     serve(args.host, args.port, model=args.model, speculative_config=cli_speculative_config(args.speculative_config, args.model),
           dtype=args.dtype, device=args.device, quantization=args.quantization, compile=args.compile,
-          max_num_seqs=args.max_num_seqs,
+          exact=args.exact, max_num_seqs=args.max_num_seqs,
           max_model_len=args.max_model_len, api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
           max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
     return 0
@@ -283,7 +300,7 @@ def _run_profile(args) -> int:
     from specdecode.speculative.policy.cost_model import load_or_profile, plot
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              compile=args.compile, max_num_seqs=args.max_num_seqs)
+              compile=args.compile, exact=args.exact, max_num_seqs=args.max_num_seqs)
     model = load_or_profile(llm.runner, llm.config.model, args.max_num_seqs, args.max_tokens_per_seq, thorough=True)
     widths = sorted(next(iter(model.table.values())))
     print("ms per target forward; rows: batch size, columns: new tokens per sequence")

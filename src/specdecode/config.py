@@ -111,6 +111,7 @@ class EngineConfig:
     seed: int = 0  # seeds the shared generator of requests without their own seed
     quantization: str | None = None  # weight-only: None, "int8", "int4" / "int4-g32|64|128" (models/quant.py)
     compile: bool = False  # torch.compile the target's (and a draft model's) forward; see README "Speed"
+    exact: bool = False  # exact mode: invariant kernels + position-keyed seeded sampling; see README "Exact mode"
 
     def __post_init__(self) -> None:
         from specdecode.models.quant import QuantScheme
@@ -118,6 +119,11 @@ class EngineConfig:
         QuantScheme.parse(self.quantization)  # a clear error now for an unknown scheme
         if not isinstance(self.compile, bool):
             raise ConfigError(f"compile must be True or False, got {_short_repr(self.compile)}")
+        if not isinstance(self.exact, bool):
+            raise ConfigError(f"exact must be True or False, got {_short_repr(self.exact)}")
+        if self.exact and self.compile:
+            raise ConfigError("exact=True runs eager forwards and cannot be combined with compile=True: compiled "
+                              "graphs are specialised by width, and their fused kernels are not width-invariant")
         if not isinstance(self.dtype, str) or (self.dtype != "auto" and self.dtype not in DTYPES):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; accepted: auto, {', '.join(DTYPES)}")
         resolve_device(self.device)  # a clear error now for a bad or unavailable device

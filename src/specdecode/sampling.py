@@ -7,7 +7,9 @@ non-speculative sampling would use. Greedy rows (temperature 0) are an exact arg
 
 Random rows use the exponential race (`argmax(p / E)`, E ~ Exp(1)), which samples from p
 without a host sync. A row with a seed draws its noise from its own torch.Generator, so its
-tokens do not depend on the rest of the batch.
+tokens do not depend on the rest of the batch. In exact mode a seeded row is *keyed* instead:
+its noise for the token at absolute position t is a pure function of (seed, t, token id)
+(`exact/noise.py`), so every path that computes the same p_t samples the same token.
 """
 
 from __future__ import annotations
@@ -29,9 +31,20 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # [N] per-row generator (None = shared)
     all_greedy: bool
     needs_filter: bool  # some row uses top-k or top-p (decided on the host, no sync)
+    # Keyed rows (exact mode, seeded, temperature > 0): noise from (key, position, token) alone.
+    keyed_rows: list[int] = dataclasses.field(default_factory=list)  # host: which rows are keyed
+    noise_keys: torch.Tensor | None = None  # [N] int64 32-bit keys (`exact.noise.seed_key`), -1 = not keyed
+    positions: torch.Tensor | None = None  # [N] int64 absolute position of the token each row samples next
+    num_greedy: int = 0  # host: rows with temperature 0
 
     @classmethod
-    def build(cls, params: "list[SamplingParams]", generators: list[torch.Generator | None], device) -> "SamplingBatch":
+    def build(cls, params: "list[SamplingParams]", generators: list[torch.Generator | None], device,
+              noise_keys: list[int | None] | None = None, positions: list[int] | None = None) -> "SamplingBatch":
+        """noise_keys (exact mode): a key per row, None for rows that are not keyed; positions: the
+        absolute position each row samples next (needed with keys)."""
+        keyed = [] if noise_keys is None else [i for i, (key, p) in enumerate(zip(noise_keys, params))
+                                               if key is not None and not p.greedy]
+        keyed_set = set(keyed)
         return cls(
             temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
                                      device=device),
@@ -40,15 +53,48 @@ class SamplingBatch:
             generators=list(generators),
             all_greedy=all(p.greedy for p in params),
             needs_filter=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
+            keyed_rows=keyed,
+            noise_keys=None if not keyed else torch.tensor(
+                [-1 if i not in keyed_set else noise_keys[i] for i in range(len(params))], device=device),
+            positions=None if not keyed else torch.tensor(positions, dtype=torch.int64, device=device),
+            num_greedy=sum(p.greedy for p in params),
         )
 
+    @property
+    def all_deterministic(self) -> bool:
+        """Every row is greedy or keyed: verification is an equality test, no rejection sampling."""
+        return self.all_greedy or len(self.keyed_rows) + self.num_greedy == len(self.generators)
+
+    def select(self, rows: list[int]) -> "SamplingBatch":
+        """The batch of the given rows only, in that order."""
+        index = torch.tensor(rows, device=self.temperature.device, dtype=torch.long)
+        keyed_set = set(self.keyed_rows)
+        keyed = [j for j, r in enumerate(rows) if r in keyed_set]
+        temperature = self.temperature[index]
+        num_greedy = 0 if self.num_greedy == 0 else int((temperature == 0).sum())  # a sync only with greedy rows
+        return SamplingBatch(temperature, self.top_k[index], self.top_p[index],
+                             [self.generators[r] for r in rows], self.all_greedy, self.needs_filter, keyed,
+                             None if not keyed else self.noise_keys[index],
+                             None if not keyed else self.positions[index], num_greedy)
+
     def repeat_rows(self, counts: list[int]) -> "SamplingBatch":
-        """Row i repeated counts[i] times (one row per verified position of a sequence)."""
-        index = torch.repeat_interleave(torch.arange(len(counts), device=self.temperature.device),
-                                        torch.tensor(counts, device=self.temperature.device))
+        """Row i repeated counts[i] times, one row per verified position of a sequence: the j-th
+        repeat samples the token j positions later (keyed rows' noise follows it)."""
+        device = self.temperature.device
+        index = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
         gens = [g for g, c in zip(self.generators, counts) for _ in range(c)]
+        keyed, noise_keys, positions = [], None, None
+        if self.keyed_rows:
+            starts = [sum(counts[:i]) for i in range(len(counts))]
+            keyed = [starts[i] + j for i in self.keyed_rows for j in range(counts[i])]
+            offsets = torch.cat([torch.arange(c, device=device) for c in counts])
+            noise_keys, positions = self.noise_keys[index], self.positions[index] + offsets
+        num_greedy = sum(c for c, g in zip(counts, self._greedy_host()) if g) if self.num_greedy else 0
         return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index], gens,
-                             self.all_greedy, self.needs_filter)
+                             self.all_greedy, self.needs_filter, sorted(keyed), noise_keys, positions, num_greedy)
+
+    def _greedy_host(self) -> list[bool]:
+        return [t == 0 for t in self.temperature.tolist()]
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -89,12 +135,30 @@ def exponential_noise(shape_rows: int, vocab: int, generators: list[torch.Genera
     return noise
 
 
+def race_noise(batch: SamplingBatch, vocab: int, offset: int = 0) -> torch.Tensor:
+    """[N, V] Exp(1) noise for the exponential race: keyed rows at their position + offset,
+    the others from their generator or the shared RNG (`exponential_noise`)."""
+    N, device = len(batch.generators), batch.temperature.device
+    if not batch.keyed_rows:
+        return exponential_noise(N, vocab, batch.generators, device)
+    from specdecode.exact.noise import keyed_exponential
+
+    keyed = torch.tensor(batch.keyed_rows, device=device)
+    noise = torch.empty(N, vocab, device=device)
+    noise[keyed] = keyed_exponential(batch.noise_keys[keyed], batch.positions[keyed] + offset, vocab).to(device)
+    keyed_set = set(batch.keyed_rows)
+    others = [i for i in range(N) if i not in keyed_set]
+    if others:
+        noise[torch.tensor(others, device=device)] = exponential_noise(
+            len(others), vocab, [batch.generators[i] for i in others], device)
+    return noise
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 -> token ids [N]."""
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
     probs = process_logits(logits, batch)
-    noise = exponential_noise(probs.shape[0], probs.shape[1], batch.generators, probs.device)
-    sampled = (probs / noise).argmax(dim=-1)
+    sampled = (probs / race_noise(batch, probs.shape[1])).argmax(dim=-1)
     return torch.where(batch.temperature > 0, sampled, greedy_tokens)

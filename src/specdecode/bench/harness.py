@@ -49,12 +49,19 @@ class BenchConfig:
     device: str = "auto"
     quantization: str | None = None  # weight-only int8 / int4 for every method's target and drafter
     compile: bool = False  # torch.compile every method's target forward (compilation happens in the warm-up)
+    # Exact mode off and/or on: [False, True] runs every method both ways, interleaved in one run (the
+    # plain engine of each mode is that mode's baseline; the exact plain row also shows its cost).
+    exact: list[bool] = dataclasses.field(default_factory=lambda: [False])
     seed: int = 0
     out_dir: Path = Path("bench_out")
     peers: list[str] = dataclasses.field(default_factory=list)  # PEERS
     repeats: int = 1  # measured passes over the prompts per configuration (interleaved with the other methods)
 
     def __post_init__(self) -> None:
+        if isinstance(self.exact, bool):
+            self.exact = [self.exact]
+        if not self.exact or len(set(self.exact)) != len(self.exact):
+            raise ConfigError(f"exact modes {self.exact}: expected off, on or off,on")
         if self.repeats < 1:
             raise ConfigError(f"--repeats {self.repeats}: expected an integer >= 1")
         unknown = [p for p in self.peers if p not in PEERS]
@@ -70,6 +77,7 @@ def machine_info(llm: LLM) -> dict:
         "cpu_count": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
         "specdecode": specdecode.__version__, "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
         "quantization": llm.quantization.name if llm.quantization is not None else None,
+        "exact": llm.exact,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
@@ -94,21 +102,28 @@ def run_bench(cfg: BenchConfig) -> dict:
                                  seed=None if temperature == 0 else cfg.seed + i) for i in range(len(prompts))]
         for concurrency in cfg.concurrency:
             bar.set_postfix(T=temperature, c=concurrency)
+            engines = [(exact, method) for exact in cfg.exact for method in cfg.methods]
             llms = [LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
                         max_num_seqs=concurrency, seed=cfg.seed, quantization=cfg.quantization,
-                        compile=cfg.compile) for method in cfg.methods]
+                        compile=cfg.compile, exact=exact) for exact, method in engines]
             info = info or machine_info(llms[0])
             measured = measure_interleaved(llms, prompts, params, cfg.repeats, concurrency, on_run=lambda: bar.update(1))
-            baseline = None
-            for method, llm, m in zip(cfg.methods, llms, measured):
+            baselines = {}  # exact mode -> (record, outputs, round seconds) of its plain engine
+            for (exact, method), llm, m in zip(engines, llms, measured):
                 num_tokens = sum(len(o.token_ids) for o in m.outputs)  # one pass
                 wall = sum(m.round_seconds) / cfg.repeats  # mean seconds per pass
-                record = {"method": method.label, "config": method.config,
+                record = {"method": method.label, "config": method.config, "exact": exact,
                           **_timed(temperature, concurrency, len(prompts), num_tokens, wall),
                           "round_seconds": [round(w, 4) for w in m.round_seconds]}
+                baseline = baselines.get(exact)
                 if baseline is None:
-                    baseline = (record, m.outputs, m.round_seconds)
+                    baselines[exact] = baseline = (record, m.outputs, m.round_seconds)
                     record["speedup"] = 1.0
+                    off = baselines.get(False)
+                    if exact and off is not None:  # exact mode's cost: its plain decoding against the other's
+                        lo, hi = speedup_interval(off[2], m.round_seconds)
+                        record["vs_exact_off"] = round(record["tokens_per_second"] / off[0]["tokens_per_second"], 3)
+                        record["vs_exact_off_interval"] = [round(lo, 3), round(hi, 3)]
                 else:
                     agg = llm.stats  # merged over the last pass's finished requests
                     lo, hi = speedup_interval(baseline[2], m.round_seconds)
@@ -123,9 +138,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                         "draft_time_fraction": round(agg.draft_time / wall, 3) if concurrency == 1 else None,
                         "verify_time_fraction": round(agg.verify_time / wall, 3) if concurrency == 1 else None,
                     })
-                if temperature == 0 and baseline is not None:
-                    record["outputs_equal_to_plain"] = _equal_to_plain([o.token_ids for o in m.outputs], baseline[1])
+                # Greedy, and seeded sampling (every sampled request has a seed): the same tokens as plain?
+                record["outputs_equal_to_plain"] = _equal_to_plain([o.token_ids for o in m.outputs], baseline[1])
                 runs.append(record)
+            baseline = baselines[cfg.exact[0]]
             llm = llms[0]
             del llms, measured  # free every engine's KV cache before the next concurrency level
             # Peers run at batch 1 (their speculative generation is batch-1 only), greedy.

@@ -23,9 +23,12 @@ def markdown_table(result: dict) -> str:
         "Speedup is against specdecode's plain decoding in the same run, for every row (peers included); "
         "in brackets its 90% bootstrap interval over the interleaved timing rounds. Drafted: draft tokens "
         "sent to verification in one pass over the prompts.", "",
-        "| method | T | concurrency | tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | drafted | draft / verify time | = plain |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| method | exact | T | concurrency | tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | drafted | draft / verify time | = plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
+    if any(r.get("exact") for r in result["runs"]):
+        lines[2] += (" Exact rows are measured against exact mode's own plain decoding; the exact plain row "
+                     "shows in brackets its tokens/s against plain decoding without exact mode.")
     for r in result["runs"]:
         per_pos = ", ".join(f"{x:.2f}" for x in r.get("per_position_acceptance", []))
         split = (f"{r['draft_time_fraction']:.0%} / {r['verify_time_fraction']:.0%}"
@@ -35,8 +38,11 @@ def markdown_table(result: dict) -> str:
         speedup = f"{r['speedup']:.2f}x"
         if "speedup_interval" in r:
             speedup += " ({:.2f}-{:.2f})".format(*r["speedup_interval"])
+        if "vs_exact_off" in r:
+            speedup += " [{:.2f}x, {:.2f}-{:.2f}]".format(r["vs_exact_off"], *r["vs_exact_off_interval"])
         lines.append(
-            f"| {r['method']} | {r['temperature']} | {r['concurrency']} | {r['tokens_per_second']:.1f} | "
+            f"| {r['method']} | {'on' if r.get('exact') else 'off'} | {r['temperature']} | {r['concurrency']} | "
+            f"{r['tokens_per_second']:.1f} | "
             f"{speedup} | {acceptance} | {length} | {per_pos} | {r.get('num_draft_tokens', '')} | {split} | "
             f"{r.get('outputs_equal_to_plain', '')} |")
     for engine, reason in result.get("peer_errors", {}).items():

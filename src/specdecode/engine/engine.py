@@ -25,6 +25,7 @@ from specdecode.engine.scheduler import ScheduledBatch, Scheduler
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_output import StepOutput
 from specdecode.errors import ConfigError, InvalidRequestError, ModelLoadError
+from specdecode.exact.noise import seed_key
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch, sample
 from specdecode.speculative.speculator import TargetHandle, build_speculator
@@ -94,6 +95,9 @@ class LLM:
     target and its drafter, quantised at load time and cached on disk; None = dtype weights.
     compile: torch.compile the target's forward (a draft model's, an EAGLE/MTP drafter's step): faster steps after a
     one-time compilation of a few graphs (tens of seconds on a CPU; logged, and cached by PyTorch).
+    exact: exact mode (CPU): the target's forwards give bitwise the same logits for a token alone, in a
+    verify forward or in any batch, and a request with a `seed` samples with noise keyed by (seed,
+    position, token), so speculation reproduces plain decoding token for token (README "Exact mode").
     """
 
     def __init__(
@@ -107,18 +111,22 @@ class LLM:
         seed: int = 0,
         quantization: str | None = None,
         compile: bool = False,
+        exact: bool = False,
     ):
         model_dir = Path(model) if model is not None else default_model_dir()
         if not model_dir.is_dir():
             raise ModelLoadError(f"model directory {model_dir} does not exist")
         self.config = EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, quantization=quantization,
-                                   compile=compile)
+                                   compile=compile, exact=exact)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype()
         self.tokenizer = Tokenizer(model_dir)
         self.quantization = self.config.quant_scheme()
-        self.model = load_model(model_dir, self.dtype, self.device, self.quantization)
+        self.model = load_model(model_dir, self.dtype, self.device, self.quantization, exact=exact)
+        self.exact = exact
+        if exact:
+            _prepare_exact(self.model, self.dtype, self.device)
         self.model_config = self.model.config
         self.tokenizer.check_fits(self.model_config.vocab_size)
         context = self.model_config.max_position_embeddings
@@ -127,7 +135,7 @@ class LLM:
                               f"(max_position_embeddings={context}); accepted: 2 .. {context}, or None for {context}")
         self.max_model_len = max_model_len or context
         self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device, self.quantization,
-                             compile=compile)
+                             compile=compile, exact=exact)
         self.scheduler = Scheduler(max_num_seqs, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys(
             self.model_config.eos_token_ids + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())))
@@ -176,11 +184,14 @@ class LLM:
             raise InvalidRequestError(f"invalid stop_token_ids: token ids must lie in [0, {vocab}); "
                                       f"got {max(params.stop_token_ids)}")
         request_id = request_id if request_id is not None else str(next(self._request_counter))
-        generator = None
-        if params.seed is not None:
+        generator = noise_key = None
+        if params.seed is not None and self.exact:
+            noise_key = seed_key(params.seed)  # noise keyed by (seed, position, token): no generator state
+        elif params.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return Sequence(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
-                        eos_token_ids=self.eos_token_ids, max_len=self.max_model_len, generator=generator)
+                        eos_token_ids=self.eos_token_ids, max_len=self.max_model_len, generator=generator,
+                        noise_key=noise_key)
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         seq = self._make_sequence(prompt, params, request_id)
@@ -258,7 +269,9 @@ class LLM:
         return self.speculator.step(seqs, self._sampling_batch(seqs))
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device)
+        keys = [s.noise_key for s in seqs] if self.exact else None
+        return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device,
+                                   noise_keys=keys, positions=[s.num_tokens for s in seqs])
 
     def _prefill(self, seqs: list[Sequence]) -> StepOutput:
         entries = [ForwardEntry(s.slot, s.prompt_token_ids, start=0) for s in seqs]
@@ -338,6 +351,22 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
+
+
+def _prepare_exact(model, dtype: torch.dtype, device: torch.device) -> None:
+    """Exact mode's kernels for the target: the invariant attention (built now, so a missing compiler
+    fails at startup) and row-invariant linear layers (`exact/rows.py`)."""
+    if device.type != "cpu":
+        raise ConfigError(f"exact=True runs on the CPU only for now (its invariant attention is a C++ CPU kernel); "
+                          f"got device {device}")
+    from specdecode.kernels import exact_cpu
+    from specdecode.exact.rows import make_rows_invariant
+
+    exact_cpu.build()
+    tiled = make_rows_invariant(model, dtype, device)
+    if tiled:
+        log.info("exact mode: %d linear layers run in row tiles (%s)", len(tiled),
+                 ", ".join(sorted({f"{name.rsplit('.', 1)[-1]}: {tile}" for name, tile in tiled.items()})))
 
 
 def _check_text(text: str, what: str) -> None:

@@ -29,8 +29,9 @@ class ForwardResult:
 
 class Runner:
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 quantization: QuantScheme | None = None, compile: bool = False):
+                 quantization: QuantScheme | None = None, compile: bool = False, exact: bool = False):
         self.model = model
+        self.exact = exact  # attention by exact mode's invariant kernel (the model's linears are made row-invariant by LLM)
         self.quantization = quantization  # how the weights are stored (drafters follow it; cost profiles key on it)
         self.model_forward = CompiledForward(model.forward, compile, "target")  # decode / verify forwards compiled
         self.device = device
@@ -53,6 +54,7 @@ class Runner:
     def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...]) -> ForwardResult:
         input_ids, positions, batch = build_attention(
             entries, self.kv_cache.scratch_index, self.model.config.sliding_window, self.device)
+        batch.exact = self.exact
         out = self.model_forward(input_ids.shape[1], batch, input_ids, positions, kv_cache=self.kv_cache,
                                  hidden_taps=hidden_taps)
         # LM head only where logits are needed: the last num_logits real tokens of each entry.

@@ -33,6 +33,7 @@ class Sequence:
     # last one (which the next forward feeds) is cached, i.e. num_cached == num_tokens - 1.
     num_cached: int = 0
     generator: torch.Generator | None = None
+    noise_key: int | None = None  # exact mode, seeded: sampling noise keyed by (seed, position, token)
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None  # finish_reason "error": the exception's type and message
     stop_text_len: int | None = None  # text is cut here when a stop string matched

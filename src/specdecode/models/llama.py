@@ -94,6 +94,8 @@ class AttentionBatch:
     # Every entry writes columns [write_start, write_start + T) of the rows slot_range: a slice
     # assignment instead of two scatters per layer (decode and chain verify at batch 1, ...).
     write_start: int | None = None
+    # Exact mode: attention by the width- and batch-invariant kernel (`kernels/exact_cpu.cpp`).
+    exact: bool = False
 
 
 class KVCache:
@@ -226,6 +228,12 @@ class Attention(nn.Module):
         q = apply_rope(q, cos, sin)
 
         mask = batch.attn_mask if batch is not None else None
+        if cache_k is not None and batch.exact:
+            from specdecode.kernels.exact_cpu import exact_attention
+
+            write_kv(cache_k, cache_v, batch, k, v)
+            out = exact_attention(q, cache_k, cache_v, batch.slot_ids, mask[:, 0], 1.0 / math.sqrt(self.head_dim))
+            return self.o_proj(out.reshape(B, T, -1))  # [B, T, H, D] -> [B, T, H * D]
         if cache_k is not None:
             write_kv(cache_k, cache_v, batch, k, v)
             S = mask.shape[-1] if mask is not None else batch.num_keys  # a size, not an int: compiled graphs stay general
@@ -345,6 +353,16 @@ def row_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     hidden[:, 1:]) sends PyTorch's bf16 CPU matmul down a path measured ~50x slower here
     (50 ms instead of 1 ms for 15 rows through the 8192-token LM head)."""
     return layer(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+
+
+def tile_rows(fn, x: torch.Tensor, tile: int):
+    """fn(x) computed on at most `tile` rows of x [..., K] at a time (split outputs stay split)."""
+    rows = x.reshape(-1, x.shape[-1])
+    parts = [fn(chunk) for chunk in rows.split(tile)]
+    lead = x.shape[:-1]
+    if isinstance(parts[0], (tuple, list)):  # fused projections: one view per member
+        return tuple(torch.cat([p[i] for p in parts]).view(*lead, -1) for i in range(len(parts[0])))
+    return torch.cat(parts).view(*lead, -1)
 
 
 class LlamaForCausalLM(nn.Module):

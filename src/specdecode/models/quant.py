@@ -113,6 +113,7 @@ class QuantizedLinear(nn.Module):
         self._kernel_weights: dict[tuple, tuple] = {}  # (dtype, device) -> packed tensors for the kernel
         self._dense: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> dequantised weight, for the dense path
         self.is_view = False  # rows of a fused layer (`rows`), kept for code that calls a member alone
+        self.row_tile: int | None = None  # exact mode: at most this many rows per kernel call (exact/rows.py)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
@@ -170,6 +171,15 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [..., K] -> [..., N] (or one view per split size)."""
+        if self.row_tile is not None and x.numel() > self.row_tile * self.in_features:
+            from specdecode.models.llama import tile_rows
+
+            out = tile_rows(self._matmul, x, self.row_tile)
+        else:
+            out = self._matmul(x)
+        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if self._uses_kernel(x.dtype, x.device):
             rows = x.reshape(-1, self.in_features)  # the kernels take 2-D rows
             if self.scheme.bits == 8:
@@ -183,7 +193,7 @@ class QuantizedLinear(nn.Module):
                 out = out + self.bias.to(out.dtype)
         else:
             out = F.linear(x, self._dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
+        return out
 
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
         """Output rows [start, stop) as a layer of their own, sharing this one's storage."""

@@ -170,6 +170,7 @@ def monotone(table: dict[int, dict[int, float]]) -> dict[int, dict[int, float]]:
 def load_or_profile(runner: Runner, model_dir: Path, max_batch: int, max_width: int, thorough: bool = False) -> CostModel:
     variant = [runner.quantization.name] if runner.quantization is not None else []
     variant += ["compiled"] if runner.model_forward.enabled else []
+    variant += ["exact"] if runner.exact else []
     path = cache_path(model_dir, runner.dtype, runner.device, "+".join(variant))
     if path.is_file() and not thorough:
         try:

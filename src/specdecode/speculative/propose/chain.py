@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+from specdecode.sampling import SamplingBatch, process_logits, race_noise
 from specdecode.speculative.propose.proposer import Draft
 
 
@@ -34,12 +34,13 @@ class ChainDraft:
     def add_step(self, active: list[int], step: int, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
         """logits [A, V] of the active rows -> the drafted token of each active row (-1 = stopped by p_min)."""
         rows = torch.tensor(active, device=self.device)
-        sub = SamplingBatch(sampling.temperature[rows], sampling.top_k[rows], sampling.top_p[rows],
-                            [sampling.generators[b] for b in active], sampling.all_greedy, sampling.needs_filter)
+        sub = sampling.select(active)
         q = process_logits(logits, sub)  # [A, V]
         chosen = logits.argmax(dim=-1)
         if not sub.all_greedy:
-            noise = exponential_noise(len(active), logits.shape[-1], sub.generators, self.device)
+            # Keyed rows race q against the noise the target will race p against at this position
+            # (Gumbel coupling): the draft is the target's token whenever q and p allow it.
+            noise = race_noise(sub, logits.shape[-1], offset=step)
             chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), chosen)
         top = q.max(dim=-1).values
         self.probs[rows, step] = q

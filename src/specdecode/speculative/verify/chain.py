@@ -9,7 +9,11 @@ Vocabulary (used throughout specdecode):
   norm(max(0, p - q)); the step ends there.
 - **bonus**: when all k drafts are accepted, one more token sampled from the target's
   distribution after the last draft.
-A step therefore commits num_accepted + 1 tokens. This is the rule of Leviathan et al.,
+A step therefore commits num_accepted + 1 tokens.
+- **keyed** rows (exact mode, seeded): the target's token at each position is the race
+  argmax(p / E) with noise E a pure function of (seed, position, token), exactly what plain
+  decoding draws there; x_i is accepted while it equals that token, like greedy. Lossless by
+  construction, and the output is plain decoding's token for token. This is the rule of Leviathan et al.,
 "Fast Inference from Transformers via Speculative Decoding" (ICML 2023) and Chen et al.,
 "Accelerating LLM Decoding with Speculative Sampling" (2023); its output distribution
 equals the target's. When a drafter chose its tokens deterministically (n-gram, argmax),
@@ -28,7 +32,7 @@ import dataclasses
 
 import torch
 
-from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+from specdecode.sampling import SamplingBatch, exponential_noise, process_logits, race_noise
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,18 +72,28 @@ def verify(
     in_draft = positions < num_draft[:, None]  # [B, k]
     safe_drafts = draft_token_ids.clamp(min=0)
 
-    # Greedy rule: accept while the draft equals the target's argmax; the token at the first
-    # mismatch (or after the last draft) is the target's argmax there.
-    target_argmax = target_logits.argmax(dim=-1)  # [B, k + 1]
-    greedy_ok = (draft_token_ids == target_argmax[:, :k]) & in_draft
-    greedy_accepted = greedy_ok.long().cumprod(dim=1).sum(dim=1)  # [B]
-    if sampling.all_greedy:
-        return _assemble(draft_token_ids, greedy_accepted, target_argmax.gather(1, greedy_accepted[:, None])[:, 0])
-
-    # Sampling rule (rows with temperature > 0).
+    # Deterministic rule (greedy and keyed rows): accept while the draft equals the target's own
+    # choice; the token at the first mismatch (or after the last draft) is its choice there.
+    choice = target_logits.argmax(dim=-1)  # [B, k + 1]
     V = target_logits.shape[-1]
-    rows = sampling.repeat_rows([k + 1] * B)
-    p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
+    p = None
+    if sampling.keyed_rows:
+        rows = sampling.repeat_rows([k + 1] * B)
+        keyed = torch.tensor(sampling.keyed_rows, device=device)
+        p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
+        noise = race_noise(rows.select([r * (k + 1) + j for r in sampling.keyed_rows for j in range(k + 1)]), V)
+        race = p[keyed] / noise.view(len(sampling.keyed_rows), k + 1, V)  # plain decoding's draw at each position
+        choice = choice.index_copy(0, keyed, race.argmax(dim=-1))
+    exact_ok = (draft_token_ids == choice[:, :k]) & in_draft
+    exact_accepted = exact_ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+    exact_final = choice.gather(1, exact_accepted[:, None])[:, 0]
+    if sampling.all_deterministic:
+        return _assemble(draft_token_ids, exact_accepted, exact_final)
+
+    # Sampling rule (rows with temperature > 0 that are not keyed).
+    if p is None:
+        rows = sampling.repeat_rows([k + 1] * B)
+        p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
     p_draft = p[:, :k].gather(2, safe_drafts[:, :, None])[:, :, 0]  # [B, k] p(x_i)
     if draft_probs is None:
         q_draft = torch.ones_like(p_draft)
@@ -106,10 +120,11 @@ def verify(
     noise = exponential_noise(B, V, sampling.generators, device)
     final_token = (final_dist / noise).argmax(dim=-1)
 
-    greedy_row = sampling.temperature == 0
-    num_accepted = torch.where(greedy_row, greedy_accepted, sampled_accepted)
-    greedy_final = target_argmax.gather(1, greedy_accepted[:, None])[:, 0]
-    return _assemble(draft_token_ids, num_accepted, torch.where(greedy_row, greedy_final, final_token))
+    deterministic = sampling.temperature == 0
+    if sampling.keyed_rows:
+        deterministic = deterministic.index_fill(0, keyed, True)
+    num_accepted = torch.where(deterministic, exact_accepted, sampled_accepted)
+    return _assemble(draft_token_ids, num_accepted, torch.where(deterministic, exact_final, final_token))
 
 
 def _assemble(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> Verified:

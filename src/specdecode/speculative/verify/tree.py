@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import SamplingBatch, exponential_noise, process_logits
+from specdecode.sampling import SamplingBatch, process_logits, race_noise
 from specdecode.speculative.verify.chain import Verified
 
 
@@ -67,9 +67,9 @@ def verify_tree(
     else:
         rows = sampling.repeat_rows([n + 1] * B)
         probs = process_logits(target_logits.reshape(B * (n + 1), V), rows).view(B, n + 1, V)
-        # One noise row per depth level and sequence: level d's draw is used at the depth-d node.
-        noise = exponential_noise(B * (max_depth + 1), V, sampling.repeat_rows([max_depth + 1] * B).generators, device)
-        noise = noise.view(B, max_depth + 1, V)
+        # One noise row per depth level and sequence: level d's draw is used at the depth-d node
+        # (keyed rows: the noise of position root + d, as plain decoding draws it).
+        noise = race_noise(sampling.repeat_rows([max_depth + 1] * B), V).view(B, max_depth + 1, V)
         greedy = target_logits.argmax(dim=-1)  # [B, n + 1]
     current = torch.full((B,), -1, dtype=torch.long, device=device)  # -1 = root
     alive = torch.ones(B, dtype=torch.bool, device=device)
