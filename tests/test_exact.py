@@ -24,7 +24,8 @@ from specdecode.errors import ConfigError
 from specdecode.exact.bisect import bisect_width
 from specdecode.kernels.exact_cpu import exact_attention
 from specdecode.exact.noise import keyed_exponential, keyed_uniform, seed_key
-from specdecode.exact.rows import probe_row_tile
+from specdecode.exact.rows import probe_row_tiling
+from specdecode.models.llama import RowTiling
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.verify.chain import verify
 
@@ -72,24 +73,49 @@ def test_exact_attention_rows_do_not_depend_on_width_batch_or_key_columns(dtype)
         torch.testing.assert_close(wide.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 8e-3, rtol=0)
 
 
-def test_row_probe_finds_a_kernel_that_depends_on_the_row_count():
+def test_row_probe_finds_kernels_that_depend_on_the_row_count_or_position():
     weight = torch.randn(16, 32)
 
     def per_row(x, w):  # one matrix-vector product per row: the same computation whatever the row count
         return torch.stack([w @ row for row in x])
 
-    class ByRows:  # a "kernel" that changes its summation order for more than 5 rows
-        def __call__(self, x):
-            if x.shape[0] <= 5:
-                return per_row(x, weight)
-            return per_row(x[:, :16], weight[:, :16]) + per_row(x[:, 16:], weight[:, 16:])
+    def split(x, w):  # the same sums in another order
+        return per_row(x[:, :16], w[:, :16]) + per_row(x[:, 16:], w[:, 16:])
 
-    class Invariant:
-        def __call__(self, x):
-            return per_row(x, weight)
+    def invariant(x):
+        return per_row(x, weight)
 
-    assert probe_row_tile(ByRows(), 32, 16, torch.float32, "cpu") == 5
-    assert probe_row_tile(Invariant(), 32, 16, torch.float32, "cpu") == 64
+    def single_row_kernel(x):  # like oneDNN's bf16 matrix-vector path: one row alone is summed differently
+        return split(x, weight) if x.shape[0] == 1 else per_row(x, weight)
+
+    def by_count(x):  # another order for calls of more than 5 rows: calls padded to 8 rows are invariant
+        return per_row(x, weight) if x.shape[0] <= 5 else split(x, weight)
+
+    def by_size(x):  # one order for multiples of 8 rows only: only fixed-size calls of 8 are invariant
+        return per_row(x, weight) if x.shape[0] % 8 == 0 else split(x, weight)
+
+    def by_position(x):  # odd rows in another order: nothing but one row per call is invariant
+        return torch.stack([(split if j % 2 else per_row)(row[None], weight)[0] for j, row in enumerate(x)])
+
+    assert probe_row_tiling(invariant, 32, 16, torch.float32, "cpu") == RowTiling(64)
+    assert probe_row_tiling(single_row_kernel, 32, 16, torch.float32, "cpu") == RowTiling(64, min_rows=2)
+    assert probe_row_tiling(by_count, 32, 16, torch.float32, "cpu") == RowTiling(64, min_rows=8)
+    assert probe_row_tiling(by_size, 32, 16, torch.float32, "cpu") == RowTiling(8, min_rows=8)
+    assert probe_row_tiling(by_position, 32, 16, torch.float32, "cpu") == RowTiling(1)
+
+
+def test_the_default_models_layers_get_the_tilings_measured_here():
+    """bf16 packed: only the 1408 -> 512 down projection needs padding (one-row calls to two); int8: none."""
+    from specdecode.defaults import default_model_dir
+    from specdecode.exact.rows import make_rows_invariant
+    from specdecode.models.loader import load_model
+    from specdecode.models.quant import QuantScheme
+
+    bf16 = make_rows_invariant(load_model(default_model_dir(), torch.bfloat16), torch.bfloat16, "cpu")
+    assert {name.rsplit(".", 1)[-1] for name in bf16} == {"down_proj"}
+    assert set(bf16.values()) == {RowTiling(64, min_rows=2)}
+    int8 = load_model(default_model_dir(), torch.bfloat16, "cpu", QuantScheme.parse("int8"))
+    assert make_rows_invariant(int8, torch.bfloat16, "cpu") == {}
 
 
 # ---- the bisection tool on the default model ------------------------------------------------
@@ -118,7 +144,7 @@ def test_bisection_finds_the_divergence_without_exact_mode_and_none_with_it(code
     scheme = QuantScheme.parse(quantization)
     reports = {}
     for exact in (False, True):
-        model = load_model(default_model_dir(), torch.bfloat16, "cpu", scheme, exact=exact)
+        model = load_model(default_model_dir(), torch.bfloat16, "cpu", scheme)
         if exact:
             make_rows_invariant(model, torch.bfloat16, "cpu")
         runner = Runner(model, 2, 256, torch.bfloat16, torch.device("cpu"), scheme, exact=exact)

@@ -91,7 +91,7 @@ def run_bench(cfg: BenchConfig) -> dict:
     cfg.methods = [cfg.methods[0]] + [MethodSpec("none (second engine)", None) if m.config is None else m
                                       for m in cfg.methods[1:]]
     runs = []
-    total = len(cfg.temperatures) * len(cfg.methods) * cfg.repeats * sum(
+    total = len(cfg.temperatures) * len(cfg.exact) * len(cfg.methods) * cfg.repeats * sum(
         len(rounds_of(len(prompts), c)) for c in cfg.concurrency)
     bar = tqdm(total=total, desc="bench", unit="run")
     info = None

@@ -123,7 +123,7 @@ class LLM:
         self.dtype = self.config.torch_dtype()
         self.tokenizer = Tokenizer(model_dir)
         self.quantization = self.config.quant_scheme()
-        self.model = load_model(model_dir, self.dtype, self.device, self.quantization, exact=exact)
+        self.model = load_model(model_dir, self.dtype, self.device, self.quantization)
         self.exact = exact
         if exact:
             _prepare_exact(self.model, self.dtype, self.device)

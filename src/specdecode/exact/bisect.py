@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = args.model or default_model_dir()
     dtype = getattr(torch, args.dtype)
     quant = QuantScheme.parse(args.quantization) if args.quantization else None
-    model = load_model(model_dir, dtype, "cpu", quant, exact=args.exact)
+    model = load_model(model_dir, dtype, "cpu", quant)
     if args.exact:
         from specdecode.exact.rows import make_rows_invariant
 

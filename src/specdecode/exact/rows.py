@@ -2,18 +2,22 @@
 
 Matmul kernels choose their blocking by the number of rows M, so a row computed alone can
 differ in its last bits from the same row computed among others. Measured on this project's
-CPUs (bf16, oneDNN packed weights): every layer of the default model gives identical rows for
-M = 1..64 except the 1408 -> 512 down projection, whose rows 8.. differ once M > 8; float32
-`F.linear` differs between M = 1 and every M > 1; the int8 and int4 kernels are invariant.
+CPUs: int8 and int4 kernels give identical rows for every M up to 64; packed bf16 layers
+(oneDNN) do for K <= 1024 inputs, but for the default model's 1408 -> 512 down projection a
+row computed alone (M = 1, a matrix-vector kernel) differs from the same row in any call of
+M >= 2, and every M >= 2 agrees; float32 `F.linear` behaves the same way at every shape.
 
 So exact mode does not trust a kernel: at load, `make_rows_invariant` probes each kind of layer
-(every M up to `MAX_TILE`, every row position against the row alone, on random rows and on
-`probe_inputs`, which make any change of summation order visible in bf16) and records the
-largest row count T for which every call is invariant. A call with more rows is cut into chunks
-of T, each a call the probe checked. T = 1 (every row alone) is always exact. The bf16 packed
-layers with more than 1024 inputs failed even at M = 2 (oneDNN blocks K differently by M), so in
-exact mode they are packed as chunks of at most 1024 inputs (`EXACT_PACKED_K`, models/inference.py),
-which the probe then finds invariant.
+and gives it the first `RowTiling` (models/llama.py) under which every call of M <= `MAX_TILE`
+rows gives each row exactly as the row computed alone under the same tiling:
+1. chunks of `MAX_TILE` rows, calls of fewer than m rows padded with zero rows to m, for m in
+   `MIN_ROWS` (m = 1: no padding; the down projection and float32 layers: m = 2, so a decode
+   costs a two-row call, about what one row costs);
+2. else calls of exactly P rows for P in `FIXED_TILES` (a kernel whose rows agree only at one size);
+3. else one row per call (always exact).
+Probes use random rows and `probe_inputs`, whose cancelling +-2^30 pairs make any change of
+summation order visible after bf16 rounding (random rows alone flip a bf16 output once in ~10^4
+values and missed the down projection).
 """
 
 from __future__ import annotations
@@ -21,16 +25,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdecode.models.llama import tile_rows
+from specdecode.models.llama import RowTiling, tile_rows
 
-MAX_TILE = 64  # rows probed; calls with more rows run in chunks of at most this many
+MAX_TILE = 64  # calls are probed up to this many rows; longer ones (prefills) run in chunks of it
+MIN_ROWS = (1, 2, 4, 8, 16)  # smallest call sizes tried, in order
+FIXED_TILES = (8, 16, 4, 2)  # then fixed call sizes (a decode pays P rows, a verify of k + 1 tokens ceil((k + 1) / P) calls)
 
 
 def probe_inputs(in_features: int, out_features: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 x [rows, K] and weight [N, K] (+-1) on which a different summation order shows even
     after rounding to bf16: pairs of +-2^30 terms that cancel exactly, spread over K, between ordinary
     terms. Whatever the kernel sums while a spike is in its accumulator loses its low bits, so two
-    orders give results far apart (random data alone changes a bf16 output once in ~10^4)."""
+    orders give results far apart."""
     generator = torch.Generator().manual_seed(0)
     K, N = in_features, out_features
     x = torch.randn(rows, K, generator=generator)
@@ -44,22 +50,34 @@ def probe_inputs(in_features: int, out_features: int, rows: int) -> tuple[torch.
     return x, weight
 
 
-def probe_row_tile(layer, in_features: int, out_features: int, dtype: torch.dtype, device,
-                   max_tile: int = MAX_TILE) -> int:
-    """The largest T <= max_tile such that f(x[:M])[j] == f(x[j:j+1]) bitwise for every M <= T and j < M,
-    where f is the layer on random rows, and a layer of the same kind and shape with `probe_inputs`' weights."""
-    x_adv, weight = probe_inputs(in_features, out_features, max_tile)
-    x_random = torch.randn(max_tile, in_features, generator=torch.Generator().manual_seed(1))
-    for fn, x in ((_rows_of(layer), x_random), (_same_kind(layer, weight, dtype), x_adv)):
-        if fn is None:  # a kind of layer this module cannot rebuild: probed on random rows only
-            continue
-        x = x.to(dtype=dtype, device=device)
-        alone = torch.cat([fn(x[j:j + 1]) for j in range(max_tile)])
-        for M in range(2, max_tile + 1):
-            if not torch.equal(fn(x[:M]), alone[:M]):
-                max_tile = M - 1
-                break
-    return max_tile
+def _invariant(fn, x: torch.Tensor, tiling: RowTiling, max_rows: int) -> int:
+    """The largest M0 <= max_rows such that every call of M <= M0 rows gives each row as computed alone,
+    calls made through `tiling`."""
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        return tile_rows(fn, rows, tiling)
+
+    alone = torch.cat([call(x[j:j + 1]) for j in range(max_rows)])
+    for M in range(2, max_rows + 1):
+        if not torch.equal(call(x[:M]), alone[:M]):
+            return M - 1
+    return max_rows
+
+
+def probe_row_tiling(layer, in_features: int, out_features: int, dtype: torch.dtype, device) -> RowTiling:
+    """The `RowTiling` under which `layer`'s rows are invariant (see the module docstring), probed on
+    the layer itself with random rows and on a layer of the same kind with `probe_inputs`."""
+    x_adv, weight = probe_inputs(in_features, out_features, MAX_TILE)
+    x_random = torch.randn(MAX_TILE, in_features, generator=torch.Generator().manual_seed(1))
+    probes = [(_rows_of(layer), x_random.to(dtype=dtype, device=device))]
+    same_kind = _same_kind(layer, weight, dtype)
+    if same_kind is not None:  # a kind of layer this module cannot rebuild: probed on random rows only
+        probes.append((same_kind, x_adv.to(dtype=dtype, device=device)))
+
+    candidates = ([RowTiling(MAX_TILE, m) for m in MIN_ROWS] + [RowTiling(p, p) for p in FIXED_TILES])
+    for tiling in candidates:
+        if all(_invariant(fn, x, tiling, min(tiling.tile, MAX_TILE)) == min(tiling.tile, MAX_TILE) for fn, x in probes):
+            return tiling
+    return RowTiling(1)
 
 
 def _rows_of(layer):
@@ -77,8 +95,7 @@ def _same_kind(layer, weight: torch.Tensor, dtype: torch.dtype):
     from specdecode.models.quant import QuantizedLinear
 
     if isinstance(layer, PackedLinear):
-        max_k = None if layer.k_chunks is None else max(b - a for a, b in layer.k_chunks)
-        return _rows_of(PackedLinear(weight.to(layer.dtype), None, max_k=max_k))
+        return _rows_of(PackedLinear(weight.to(layer.dtype), None))
     if isinstance(layer, QuantizedLinear):
         quantized = QuantizedLinear.from_weight(weight, None, layer.scheme)
         quantized.prepare(dtype)
@@ -89,23 +106,25 @@ def _same_kind(layer, weight: torch.Tensor, dtype: torch.dtype):
 
 
 class RowTiled(nn.Module):
-    """A dense `nn.Linear` or fused projection called on at most `tile` rows at a time. (Packed and
-    quantised layers take the tile as their `row_tile` instead: no extra module call per forward.)"""
+    """A dense `nn.Linear` or fused projection called under a `RowTiling`. (Packed and quantised
+    layers take it as their `row_tiling` attribute instead: no extra module call per forward.)"""
 
-    def __init__(self, layer, tile: int, in_features: int):
+    def __init__(self, layer, tiling: RowTiling):
         super().__init__()
         self.layer = layer if isinstance(layer, nn.Module) else None
-        self._callable = layer  # FusedLinear (fp32 fused projections) is a plain callable
-        self.tile = tile
-        self.in_features = in_features
+        self.weight, self.bias = layer.weight, layer.bias
+        self.sizes = getattr(layer, "sizes", None)  # FusedLinear: one output view per member
+        self.tiling = tiling
 
     def forward(self, x: torch.Tensor):
-        if x.numel() <= self.tile * self.in_features:
-            return self._callable(x)
-        return tile_rows(self._callable, x, self.tile)
+        def matmul(rows: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.linear(rows, self.weight, self.bias)
+
+        out = tile_rows(matmul, x, self.tiling) if self.tiling.applies(x) else matmul(x)
+        return out if self.sizes is None else out.split(self.sizes, dim=-1)
 
     def extra_repr(self) -> str:
-        return f"tile={self.tile}"
+        return f"{self.tiling}"
 
 
 def _features(layer) -> tuple[int, int]:
@@ -115,26 +134,18 @@ def _features(layer) -> tuple[int, int]:
     return layer.weight.shape[1], layer.weight.shape[0]  # FusedLinear
 
 
-def make_rows_invariant(model: nn.Module, dtype: torch.dtype, device) -> dict[str, int]:
-    """Wrap every linear layer and fused projection under `model` in a `RowTiled` (in place), at the
-    tile its probe found. Returns {module path: tile} of those below MAX_TILE. Probes are shared
-    by layers of the same kind and shape."""
+def make_rows_invariant(model: nn.Module, dtype: torch.dtype, device) -> dict[str, RowTiling]:
+    """Give every linear layer and fused projection under `model` the `RowTiling` its probe found
+    (in place; dense layers are wrapped in a `RowTiled`). Returns {module path: tiling} of the
+    layers that needed more than chunking (padded, fixed-size or single-row calls). Probes are shared by
+    layers of the same kind and shape."""
     from specdecode.models.inference import FusedMember, PackedLinear
     from specdecode.models.llama import FUSED_MEMBERS, FusedLinear
     from specdecode.models.quant import QuantizedLinear
 
     layer_types = (nn.Linear, PackedLinear, QuantizedLinear)
-    tiles: dict[tuple, int] = {}
-    wrapped: dict[str, int] = {}
-
-    def tile_of(layer) -> int:
-        K, N = _features(layer)
-        key = (type(layer).__name__, K, N, getattr(getattr(layer, "scheme", None), "name", None))
-        if key not in tiles:
-            with torch.inference_mode():
-                tiles[key] = probe_row_tile(layer, K, N, dtype, device)
-        return tiles[key]
-
+    tilings: dict[tuple, RowTiling] = {}
+    special: dict[str, RowTiling] = {}
     for owner_name, owner in list(model.named_modules()):
         if isinstance(owner, (RowTiled, FusedMember)):
             continue
@@ -144,11 +155,16 @@ def make_rows_invariant(model: nn.Module, dtype: torch.dtype, device) -> dict[st
         for name, layer in candidates:
             if not isinstance(layer, layer_types + (FusedLinear,)):
                 continue
-            tile = tile_of(layer)  # MAX_TILE too: longer calls (prefills) go in chunks of what was probed
+            K, N = _features(layer)
+            key = (type(layer).__name__, K, N, getattr(getattr(layer, "scheme", None), "name", None))
+            if key not in tilings:
+                with torch.inference_mode():
+                    tilings[key] = probe_row_tiling(layer, K, N, dtype, device)
+            tiling = tilings[key]
             if isinstance(layer, (PackedLinear, QuantizedLinear)):
-                layer.row_tile = tile
+                layer.row_tiling = tiling
             else:
-                setattr(owner, name, RowTiled(layer, tile, _features(layer)[0]))
-            if tile < MAX_TILE:
-                wrapped[prefix + name] = tile
-    return wrapped
+                setattr(owner, name, RowTiled(layer, tiling))
+            if tiling != RowTiling(MAX_TILE):
+                special[prefix + name] = tiling
+    return special

@@ -66,17 +66,91 @@ inline vfloat exp_nonpositive(vfloat x) {
   return hidden ? vfloat{} : y * two_n;
 }
 
+// One group of RG query rows that share a mask row (heads of one token on one KV head): scores,
+// softmax and the value sum. The group is always the same heads of the same token, so a row is
+// computed with the same instructions (and the same skipped keys) whatever else the call holds.
+template <int RG>
+void attend_group(const float* qf /* [RG][D] */, const float* kt /* [Sp/16][D][16] */, const float* vf /* [S][Dp] */,
+                  const bool* visible /* [S] */, float* scores /* [RG][Sp] */, float* acc_out /* [RG][Dp] */,
+                  float* sums /* [RG] */, int64_t D, int64_t Dp, int64_t S, int64_t Sp, float scale) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  vfloat mv[RG];  // lane-wise running max (max is exact in any order)
+  for (int r = 0; r < RG; ++r) mv[r] = vfloat{} + neg_inf;
+  // Scores: two key blocks at a time, RG x 2 independent FMA chains, each in head-dimension order.
+  for (int64_t j = 0; j < Sp; j += 2 * kLanes) {
+    const bool two = j + kLanes < Sp;
+    vfloat a0[RG] = {}, a1[RG] = {};
+    const float* b0 = kt + j * D;
+    const float* b1 = kt + (j + kLanes) * D;
+    for (int64_t d = 0; d < D; ++d) {
+      const vfloat k0 = load16(b0 + d * kLanes);
+      const vfloat k1 = two ? load16(b1 + d * kLanes) : vfloat{};
+      for (int r = 0; r < RG; ++r) {
+        const float qd = qf[r * D + d];
+        a0[r] += qd * k0;
+        a1[r] += qd * k1;
+      }
+    }
+    for (int64_t i = 0; i < (two ? 2 : 1); ++i) {
+      vint seen;
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t s = j + i * kLanes + l;
+        seen[l] = (s < S && visible[s]) ? -1 : 0;
+      }
+      for (int r = 0; r < RG; ++r) {
+        const vfloat sc = seen ? (i ? a1[r] : a0[r]) * scale : vfloat{} + neg_inf;
+        store16(scores + r * Sp + j + i * kLanes, sc);
+        mv[r] = sc > mv[r] ? sc : mv[r];
+      }
+    }
+  }
+  float m[RG];
+  for (int r = 0; r < RG; ++r) {
+    m[r] = neg_inf;
+    for (int64_t l = 0; l < kLanes; ++l) m[r] = mv[r][l] > m[r] ? mv[r][l] : m[r];
+  }
+  for (int r = 0; r < RG; ++r) {
+    float* row = scores + r * Sp;
+    vfloat lanes = {};
+    for (int64_t j = 0; j < Sp; j += kLanes) {
+      const vfloat p = m[r] == neg_inf ? vfloat{} : exp_nonpositive(load16(row + j) - m[r]);
+      store16(row + j, p);
+      lanes += p;
+    }
+    sums[r] = fixed_sum16(lanes);
+  }
+  // Values: keys in column order; RG x Dp/16 independent chains.
+  vfloat acc[RG][kMaxHeadDim / kLanes] = {};
+  const int64_t Dv = Dp / kLanes;
+  for (int64_t s = 0; s < S; ++s) {
+    float w[RG];
+    bool any = false;
+    for (int r = 0; r < RG; ++r) {
+      w[r] = scores[r * Sp + s];
+      any = any || w[r] != 0.0f;
+    }
+    if (!any) continue;
+    const float* v = vf + s * Dp;
+    for (int64_t jv = 0; jv < Dv; ++jv) {
+      const vfloat vv = load16(v + jv * kLanes);
+      for (int r = 0; r < RG; ++r) acc[r][jv] += w[r] * vv;
+    }
+  }
+  for (int r = 0; r < RG; ++r)
+    for (int64_t jv = 0; jv < Dv; ++jv) store16(acc_out + r * Dp + jv * kLanes, acc[r][jv]);
+}
+
 template <typename scalar_t>
 void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const scalar_t* cache_v, const int64_t* slots,
                       const bool* mask, scalar_t* out, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
                       int64_t S, int64_t C, float scale) {
-  const int64_t G = H / KVH, R = T * G;
+  const int64_t G = H / KVH;
   const int64_t Sp = (S + kLanes - 1) / kLanes * kLanes, Dp = (D + kLanes - 1) / kLanes * kLanes;
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
     // Per task (one sequence, one KV head): its keys as float blocks of 16 [Sp / 16][D][16]
-    // (one lane per key), its values as float rows [S][Dp], then one query row at a time.
-    std::vector<float> kt(Sp * D), vf(S * Dp), qf(D), scores(Sp);
+    // (one lane per key), its values as float rows [S][Dp], then the heads of one token at a time,
+    // in fixed groups of at most 4.
+    std::vector<float> kt(Sp * D), vf(S * Dp), qf(4 * D), scores(4 * Sp), acc(4 * Dp), sums(4);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH, slot = slots[b];
       for (int64_t s = 0; s < Sp; ++s) {
@@ -94,54 +168,26 @@ void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const scalar_t
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
         for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
       }
-      for (int64_t r = 0; r < R; ++r) {  // row r = (token r / G, head kvh * G + r % G)
-        const int64_t t = r / G, h = kvh * G + r % G;
-        const scalar_t* src = q + ((b * T + t) * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(src[d]);
+      for (int64_t t = 0; t < T; ++t) {
         const bool* visible = mask + (b * T + t) * S;
-        float m = neg_inf;
-        // Four key blocks at a time: four independent FMA chains (each still in d order).
-        for (int64_t j0 = 0; j0 < Sp; j0 += 4 * kLanes) {
-          const int64_t nb = std::min<int64_t>(4, (Sp - j0) / kLanes);
-          vfloat a[4] = {};
-          const float* block = &kt[j0 * D];
-          if (nb == 4) {
-            for (int64_t d = 0; d < D; ++d) {
-              const float qd = qf[d];
-              for (int i = 0; i < 4; ++i) a[i] += qd * load16(block + (i * D + d) * kLanes);
-            }
-          } else {
-            for (int64_t i = 0; i < nb; ++i)
-              for (int64_t d = 0; d < D; ++d) a[i] += qf[d] * load16(block + (i * D + d) * kLanes);
+        for (int64_t g0 = 0; g0 < G; g0 += 4) {
+          const int64_t rg = std::min<int64_t>(4, G - g0);
+          for (int64_t r = 0; r < rg; ++r) {
+            const scalar_t* src = q + ((b * T + t) * H + kvh * G + g0 + r) * D;
+            for (int64_t d = 0; d < D; ++d) qf[r * D + d] = static_cast<float>(src[d]);
           }
-          for (int64_t i = 0; i < nb; ++i)
-            for (int64_t l = 0; l < kLanes; ++l) {
-              const int64_t s = j0 + i * kLanes + l;
-              const float score = (s < S && visible[s]) ? a[i][l] * scale : neg_inf;
-              scores[s] = score;
-              m = score > m ? score : m;
-            }
+          switch (rg) {
+            case 1: attend_group<1>(qf.data(), kt.data(), vf.data(), visible, scores.data(), acc.data(), sums.data(), D, Dp, S, Sp, scale); break;
+            case 2: attend_group<2>(qf.data(), kt.data(), vf.data(), visible, scores.data(), acc.data(), sums.data(), D, Dp, S, Sp, scale); break;
+            case 3: attend_group<3>(qf.data(), kt.data(), vf.data(), visible, scores.data(), acc.data(), sums.data(), D, Dp, S, Sp, scale); break;
+            default: attend_group<4>(qf.data(), kt.data(), vf.data(), visible, scores.data(), acc.data(), sums.data(), D, Dp, S, Sp, scale); break;
+          }
+          for (int64_t r = 0; r < rg; ++r) {
+            scalar_t* dst = out + ((b * T + t) * H + kvh * G + g0 + r) * D;
+            const float denom = sums[r] > 0.0f ? sums[r] : 1.0f;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[r * Dp + d] / denom);
+          }
         }
-        vfloat lanes = {};
-        for (int64_t j = 0; j < Sp; j += kLanes) {
-          const vfloat p = m == neg_inf ? vfloat{} : exp_nonpositive(load16(&scores[j]) - m);
-          store16(&scores[j], p);
-          lanes += p;
-        }
-        const float sum = fixed_sum16(lanes);
-        vfloat acc[kMaxHeadDim / kLanes] = {};
-        const int64_t Dv = Dp / kLanes;
-        for (int64_t s = 0; s < S; ++s) {
-          const float w = scores[s];
-          if (w == 0.0f) continue;
-          const float* v = &vf[s * Dp];
-          for (int64_t j = 0; j < Dv; ++j) acc[j] += w * load16(v + j * kLanes);
-        }
-        float acc_flat[kMaxHeadDim];
-        for (int64_t j = 0; j < Dv; ++j) store16(acc_flat + j * kLanes, acc[j]);
-        scalar_t* dst = out + ((b * T + t) * H + h) * D;
-        const float denom = sum > 0.0f ? sum : 1.0f;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc_flat[d] / denom);
       }
     }
   });

@@ -21,9 +21,6 @@ from torch import nn
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
 
 PACK_BATCH_HINT = 8  # oneDNN picks its layout for this many rows; measured best over 1-16 rows here
-# Exact mode packs layers with more inputs as chunks of at most this many, summed in float32: a packed
-# bf16 matmul with K > 1024 gave row-count-dependent results here (K <= 1024: invariant up to 64 rows).
-EXACT_PACKED_K = 1024
 
 
 # The packed matmul as an opaque custom op: inductor (torch.compile) cannot lower the mkldnn op
@@ -47,42 +44,26 @@ class PackedLinear(nn.Module):
     """A frozen dense linear layer with its weight pre-packed for oneDNN (CPU, bf16/fp16).
     `split_sizes` makes it return one view per fused projection, like `FusedLinear`."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_sizes: list[int] | None = None,
-                 max_k: int | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_sizes: list[int] | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
-        weight = weight.detach().contiguous()
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
         self.bias = None if bias is None else bias.detach().clone()
         self.split_sizes = split_sizes
-        self.row_tile: int | None = None  # exact mode: at most this many rows per kernel call (exact/rows.py)
-        # max_k (exact mode): the input dimension in chunks of at most max_k, partial sums added in float32.
-        num_chunks = 1 if max_k is None else -(-self.in_features // max_k)
-        bounds = [self.in_features * i // num_chunks for i in range(num_chunks + 1)]
-        self.k_chunks = [(a, b) for a, b in zip(bounds, bounds[1:])] if num_chunks > 1 else None
-        if self.k_chunks is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_BATCH_HINT)
-        else:
-            self.packed_chunks = [torch.ops.mkldnn._reorder_linear_weight(weight[:, a:b].contiguous(), PACK_BATCH_HINT)
-                                  for a, b in self.k_chunks]
+        self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if self.k_chunks is not None:
-            out = None
-            for (a, b), packed in zip(self.k_chunks, self.packed_chunks):
-                part = torch.ops.mkldnn._linear_pointwise(x[..., a:b].contiguous(), packed, None, "none", [], "").float()
-                out = part if out is None else out + part
-            return (out if self.bias is None else out + self.bias.float()).to(x.dtype)
         if torch.compiler.is_compiling():  # eager skips the custom op's dispatch (measured +50 us a call)
             return packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor):
         """x [..., K] -> [..., N] (or one view per split size)."""
-        if self.row_tile is not None and x.numel() > self.row_tile * self.in_features:
+        if self.row_tiling is not None and self.row_tiling.applies(x):
             from specdecode.models.llama import tile_rows
 
-            out = tile_rows(self._matmul, x, self.row_tile)
+            out = tile_rows(self._matmul, x, self.row_tiling)
         else:
             out = self._matmul(x)
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
@@ -104,23 +85,21 @@ class FusedMember(nn.Module):
         return self._fused[0](x)[self.index]
 
 
-def pack_linears(module: nn.Module, max_k: int | None = None) -> nn.Module:
+def pack_linears(module: nn.Module) -> nn.Module:
     """Replace every dense linear layer (and fused projection) under `module` by a PackedLinear."""
     from specdecode.models.llama import replace_linears
 
     def fused_layer(name: str, fused) -> tuple[PackedLinear, list[FusedMember]]:
-        packed = PackedLinear(fused.weight, fused.bias, list(fused.sizes), max_k)
+        packed = PackedLinear(fused.weight, fused.bias, list(fused.sizes))
         return packed, [FusedMember(packed, index) for index in range(len(fused.sizes))]
 
-    return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias,
-                                                                                  max_k=max_k))
+    return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias))
 
 
 def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype: torch.dtype, device,
-                          quantization: QuantScheme | None = None, exact: bool = False) -> nn.Module:
+                          quantization: QuantScheme | None = None) -> nn.Module:
     """Fuse, then quantise (`quantization` set) or pack (bf16/fp16 on CPU); float32 stays as is.
-    `checkpoint_dir` keys the quantisation cache (None: quantise without caching). exact: pack for
-    exact mode (`EXACT_PACKED_K`); the row probes come after (`exact.rows.make_rows_invariant`)."""
+    `checkpoint_dir` keys the quantisation cache (None: quantise without caching)."""
     from specdecode.models.llama import fuse_projections
 
     module = fuse_projections(module.eval().requires_grad_(False))
@@ -131,5 +110,5 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
                 layer.prepare(dtype)
         return module
     if can_pack(dtype, device):
-        return pack_linears(module, EXACT_PACKED_K if exact else None)
+        return pack_linears(module)
     return module

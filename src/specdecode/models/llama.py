@@ -355,14 +355,29 @@ def row_linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return layer(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
 
 
-def tile_rows(fn, x: torch.Tensor, tile: int):
-    """fn(x) computed on at most `tile` rows of x [..., K] at a time (split outputs stay split)."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class RowTiling:
+    """Exact mode: how a linear layer's rows reach its kernel so that a row never depends on the
+    rows beside it (probed per kind of layer, `exact/rows.py`): chunks of at most `tile` rows, a
+    chunk of fewer than `min_rows` rows padded with zero rows to `min_rows`."""
+
+    tile: int
+    min_rows: int = 1
+
+    def applies(self, x: torch.Tensor) -> bool:
+        rows = x.numel() // x.shape[-1]
+        return rows < self.min_rows or rows > self.tile
+
+
+def tile_rows(matmul, x: torch.Tensor, tiling: RowTiling) -> torch.Tensor:
+    """matmul(rows [m, K]) -> [m, N] applied under `tiling` to x [..., K] -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
-    parts = [fn(chunk) for chunk in rows.split(tile)]
-    lead = x.shape[:-1]
-    if isinstance(parts[0], (tuple, list)):  # fused projections: one view per member
-        return tuple(torch.cat([p[i] for p in parts]).view(*lead, -1) for i in range(len(parts[0])))
-    return torch.cat(parts).view(*lead, -1)
+    n = rows.shape[0]
+    if n <= tiling.tile:  # the common case (decode, verify): one call, padded if too short
+        out = matmul(F.pad(rows, (0, 0, 0, tiling.min_rows - n)) if n < tiling.min_rows else rows)[:n]
+    else:
+        out = torch.cat([tile_rows(matmul, chunk, tiling) for chunk in rows.split(tiling.tile)])
+    return out.view(*x.shape[:-1], -1)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -50,7 +50,7 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quantization: QuantScheme | None = None, exact: bool = False) -> LlamaForCausalLM:
+               quantization: QuantScheme | None = None) -> LlamaForCausalLM:
     """The checkpoint as a frozen inference model (`prepare_for_inference`: projections fused,
     linear layers quantised when `quantization` is set, else packed for bf16/fp16 on CPU)."""
     path = Path(path)
@@ -76,4 +76,4 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         model.lm_head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE frequencies) are still on meta: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
-    return prepare_for_inference(model, path, dtype, device, quantization, exact)
+    return prepare_for_inference(model, path, dtype, device, quantization)

@@ -113,7 +113,7 @@ class QuantizedLinear(nn.Module):
         self._kernel_weights: dict[tuple, tuple] = {}  # (dtype, device) -> packed tensors for the kernel
         self._dense: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> dequantised weight, for the dense path
         self.is_view = False  # rows of a fused layer (`rows`), kept for code that calls a member alone
-        self.row_tile: int | None = None  # exact mode: at most this many rows per kernel call (exact/rows.py)
+        self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
@@ -171,10 +171,10 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [..., K] -> [..., N] (or one view per split size)."""
-        if self.row_tile is not None and x.numel() > self.row_tile * self.in_features:
+        if self.row_tiling is not None and self.row_tiling.applies(x):
             from specdecode.models.llama import tile_rows
 
-            out = tile_rows(self._matmul, x, self.row_tile)
+            out = tile_rows(self._matmul, x, self.row_tiling)
         else:
             out = self._matmul(x)
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
