@@ -131,7 +131,7 @@ def code_tokens():
     return ids, [tok.encode("class Stack:\n    def push(self, item):\n")]
 
 
-@pytest.mark.parametrize("quantization", [None, "int8"])
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
 def test_bisection_finds_the_divergence_without_exact_mode_and_none_with_it(code_tokens, quantization):
     from specdecode.defaults import default_model_dir
     from specdecode.engine.runner import Runner
@@ -170,7 +170,6 @@ CONFIGS = {
     "dflash": {"method": "dflash", "num_speculative_tokens": 7},
     "dspark": {"method": "dspark", "num_speculative_tokens": 7},
 }
-INT8_CONFIGS = ["ngram", "draft_model", "eagle3-tree", "mtp", "dspark"]
 
 
 def _requests():
@@ -199,7 +198,7 @@ def test_exact_speculation_reproduces_plain_decoding_bf16(plain_outputs, name):
     assert _outputs(None, CONFIGS[name]) == plain_outputs[None]
 
 
-@pytest.mark.parametrize("name", INT8_CONFIGS)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_exact_speculation_reproduces_plain_decoding_int8(plain_outputs, name):
     assert _outputs("int8", CONFIGS[name]) == plain_outputs["int8"]
 
