@@ -225,17 +225,11 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor cache_k, torch::Ten
 
 namespace {
 
-inline uint32_t fmix32(uint32_t h) {
-  h ^= h >> 16;
-  h *= 0x85EBCA6Bu;
-  h ^= h >> 13;
-  h *= 0xC2B2AE35u;
-  return h ^ (h >> 16);
-}
-
 typedef uint32_t vuint __attribute__((vector_size(64)));
 
-inline vuint fmix32(vuint h) {
+// murmur3's 32-bit finaliser, on one value or lane-wise on 16 (unsigned arithmetic wraps mod 2^32).
+template <typename U>
+inline U fmix32(U h) {
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
