@@ -35,7 +35,7 @@ class SamplingBatch:
     keyed_rows: list[int] = dataclasses.field(default_factory=list)  # host: which rows are keyed
     noise_keys: torch.Tensor | None = None  # [N] int64 32-bit keys (`exact.noise.seed_key`), -1 = not keyed
     positions: torch.Tensor | None = None  # [N] int64 absolute position of the token each row samples next
-    num_greedy: int = 0  # host: rows with temperature 0
+    greedy: list[bool] = dataclasses.field(default_factory=list)  # host: [N] temperature 0
 
     @classmethod
     def build(cls, params: "list[SamplingParams]", generators: list[torch.Generator | None], device,
@@ -57,25 +57,23 @@ class SamplingBatch:
             noise_keys=None if not keyed else torch.tensor(
                 [-1 if i not in keyed_set else noise_keys[i] for i in range(len(params))], device=device),
             positions=None if not keyed else torch.tensor(positions, dtype=torch.int64, device=device),
-            num_greedy=sum(p.greedy for p in params),
+            greedy=[p.greedy for p in params],
         )
 
     @property
     def all_deterministic(self) -> bool:
         """Every row is greedy or keyed: verification is an equality test, no rejection sampling."""
-        return self.all_greedy or len(self.keyed_rows) + self.num_greedy == len(self.generators)
+        return self.all_greedy or len(self.keyed_rows) + sum(self.greedy) == len(self.generators)
 
     def select(self, rows: list[int]) -> "SamplingBatch":
         """The batch of the given rows only, in that order."""
         index = torch.tensor(rows, device=self.temperature.device, dtype=torch.long)
         keyed_set = set(self.keyed_rows)
         keyed = [j for j, r in enumerate(rows) if r in keyed_set]
-        temperature = self.temperature[index]
-        num_greedy = 0 if self.num_greedy == 0 else int((temperature == 0).sum())  # a sync only with greedy rows
-        return SamplingBatch(temperature, self.top_k[index], self.top_p[index],
+        return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index],
                              [self.generators[r] for r in rows], self.all_greedy, self.needs_filter, keyed,
                              None if not keyed else self.noise_keys[index],
-                             None if not keyed else self.positions[index], num_greedy)
+                             None if not keyed else self.positions[index], [self.greedy[r] for r in rows])
 
     def repeat_rows(self, counts: list[int]) -> "SamplingBatch":
         """Row i repeated counts[i] times, one row per verified position of a sequence: the j-th
@@ -89,12 +87,9 @@ class SamplingBatch:
             keyed = [starts[i] + j for i in self.keyed_rows for j in range(counts[i])]
             offsets = torch.cat([torch.arange(c, device=device) for c in counts])
             noise_keys, positions = self.noise_keys[index], self.positions[index] + offsets
-        num_greedy = sum(c for c, g in zip(counts, self._greedy_host()) if g) if self.num_greedy else 0
+        greedy = [g for g, c in zip(self.greedy, counts) for _ in range(c)]
         return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index], gens,
-                             self.all_greedy, self.needs_filter, sorted(keyed), noise_keys, positions, num_greedy)
-
-    def _greedy_host(self) -> list[bool]:
-        return [t == 0 for t in self.temperature.tolist()]
+                             self.all_greedy, self.needs_filter, sorted(keyed), noise_keys, positions, greedy)
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
