@@ -140,6 +140,65 @@ void attend_group(const float* qf /* [RG][D] */, const float* kt /* [Sp/16][D][1
     for (int64_t jv = 0; jv < Dv; ++jv) store16(acc_out + r * Dp + jv * kLanes, acc[r][jv]);
 }
 
+// Keys [S] x [D] (row stride `stride`) -> float blocks of 16 keys [Sp / 16][D][16], zero past S.
+// Pure data movement (no arithmetic), so how it is done changes no result: 16 x 16 tiles are
+// transposed in registers by four stages of two-vector shuffles when D is a multiple of 16.
+struct TransposeMasks {
+  vint lo[4], hi[4];  // stage with block b = 8, 4, 2, 1
+  TransposeMasks() {
+    for (int stage = 0; stage < 4; ++stage) {
+      const int b = 8 >> stage;
+      for (int l = 0; l < 16; ++l) {
+        lo[stage][l] = (l & b) ? 16 + l - b : l;
+        hi[stage][l] = (l & b) ? 16 + l : l + b;
+      }
+    }
+  }
+};
+
+inline void transpose16(vfloat* rows) {
+  static const TransposeMasks masks;
+  vint r[16];
+  std::memcpy(r, rows, sizeof(r));
+  for (int stage = 0; stage < 4; ++stage) {
+    const int b = 8 >> stage;
+    for (int i = 0; i < 16; ++i) {
+      if (i & b) continue;
+      const vint a = r[i], c = r[i + b];
+      r[i] = __builtin_shuffle(a, c, masks.lo[stage]);
+      r[i + b] = __builtin_shuffle(a, c, masks.hi[stage]);
+    }
+  }
+  std::memcpy(rows, r, sizeof(r));
+}
+
+template <typename scalar_t>
+void transpose_keys(const scalar_t* k, int64_t stride, int64_t S, int64_t Sp, int64_t D, float* kt) {
+  if (D % kLanes != 0) {
+    for (int64_t s = 0; s < Sp; ++s) {
+      float* block = kt + (s / kLanes) * D * kLanes + s % kLanes;
+      for (int64_t d = 0; d < D; ++d) block[d * kLanes] = s < S ? static_cast<float>(k[s * stride + d]) : 0.0f;
+    }
+    return;
+  }
+  vfloat tile[16];
+  for (int64_t j = 0; j < Sp; j += kLanes) {
+    for (int64_t c = 0; c < D; c += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) {  // row l = key j + l, dims c .. c + 15
+        const int64_t s = j + l;
+        if (s < S) {
+          const scalar_t* src = k + s * stride + c;
+          for (int64_t e = 0; e < kLanes; ++e) tile[l][e] = static_cast<float>(src[e]);
+        } else {
+          tile[l] = vfloat{};
+        }
+      }
+      transpose16(tile);  // tile[e][l] = dim c + e of key j + l
+      for (int64_t e = 0; e < kLanes; ++e) store16(kt + (j * D + (c + e) * kLanes), tile[e]);
+    }
+  }
+}
+
 template <typename scalar_t>
 void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const scalar_t* cache_v, const int64_t* slots,
                       const bool* mask, scalar_t* out, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
@@ -153,15 +212,7 @@ void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const scalar_t
     std::vector<float> kt(Sp * D), vf(S * Dp), qf(4 * D), scores(4 * Sp), acc(4 * Dp), sums(4);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH, slot = slots[b];
-      for (int64_t s = 0; s < Sp; ++s) {
-        float* block = &kt[(s / kLanes) * D * kLanes + s % kLanes];
-        if (s < S) {
-          const scalar_t* src = cache_k + ((slot * C + s) * KVH + kvh) * D;
-          for (int64_t d = 0; d < D; ++d) block[d * kLanes] = static_cast<float>(src[d]);
-        } else {
-          for (int64_t d = 0; d < D; ++d) block[d * kLanes] = 0.0f;
-        }
-      }
+      transpose_keys(cache_k + (slot * C * KVH + kvh) * D, KVH * D, S, Sp, D, kt.data());
       for (int64_t s = 0; s < S; ++s) {
         const scalar_t* src = cache_v + ((slot * C + s) * KVH + kvh) * D;
         float* dst = &vf[s * Dp];
