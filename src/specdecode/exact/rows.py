@@ -111,8 +111,7 @@ class RowTiled(nn.Module):
 
     def __init__(self, layer, tiling: RowTiling):
         super().__init__()
-        self.layer = layer if isinstance(layer, nn.Module) else None
-        self.weight, self.bias = layer.weight, layer.bias
+        self.weight, self.bias = layer.weight, layer.bias  # the layer's own tensors (same state_dict names)
         self.sizes = getattr(layer, "sizes", None)  # FusedLinear: one output view per member
         self.tiling = tiling
 

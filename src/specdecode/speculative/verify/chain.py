@@ -9,15 +9,16 @@ Vocabulary (used throughout specdecode):
   norm(max(0, p - q)); the step ends there.
 - **bonus**: when all k drafts are accepted, one more token sampled from the target's
   distribution after the last draft.
-A step therefore commits num_accepted + 1 tokens.
-- **keyed** rows (exact mode, seeded): the target's token at each position is the race
-  argmax(p / E) with noise E a pure function of (seed, position, token), exactly what plain
-  decoding draws there; x_i is accepted while it equals that token, like greedy. Lossless by
-  construction, and the output is plain decoding's token for token. This is the rule of Leviathan et al.,
+A step therefore commits num_accepted + 1 tokens. This is the rule of Leviathan et al.,
 "Fast Inference from Transformers via Speculative Decoding" (ICML 2023) and Chen et al.,
 "Accelerating LLM Decoding with Speculative Sampling" (2023); its output distribution
 equals the target's. When a drafter chose its tokens deterministically (n-gram, argmax),
 q is one-hot: acceptance probability is p(x) and the residual is p with x removed.
+
+**Keyed** rows (exact mode, seeded) use the greedy rule instead: the target's token at each
+position is the race argmax(p / E) with noise E a pure function of (seed, position, token),
+exactly what plain decoding draws there, and x_i is accepted while it equals that token.
+Lossless by construction, and the output is plain decoding's, token for token.
 
 p and q are the *processed* distributions (temperature, top-k, top-p), computed by the
 same `process_logits` that non-speculative sampling uses.
