@@ -27,8 +27,12 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out: Path, tar
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if report is not None and "method" in report:
         # Provenance: which method this drafter serves, for which target, made by which command.
+        # A drafter matched to a quantised target records that scheme and its own QAT scheme (None:
+        # trained against the full-precision target / without QAT): serving compares them (resolve.py).
         config = {**config, "specdecode": {"method": report["method"], "target": report.get("target"),
-                                           "training_command": report.get("command")}}
+                                           "training_command": report.get("command"),
+                                           "target_quantization": report.get("target_quantization"),
+                                           "qat": report.get("qat")}}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         if (target_dir / name).is_file():

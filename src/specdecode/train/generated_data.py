@@ -23,13 +23,15 @@ log = logging.getLogger(__name__)
 
 def generate_dataset(target_dir: Path, corpus_tokens: np.ndarray, out: Path, num_sequences: int, prompt_len: int = 128,
                      continuation_len: int = 256, temperature: float = 0.8, batch_size: int = 16, seed: int = 0,
-                     eos_id: int | None = None) -> np.ndarray:
-    """[total] uint16 tokens: prompt + continuation per sequence, separated by EOS (when given)."""
+                     eos_id: int | None = None, quantization: str | None = None) -> np.ndarray:
+    """[total] uint16 tokens: prompt + continuation per sequence, separated by EOS (when given);
+    written by the target served with `quantization` (weight-only scheme, None = full precision)."""
     done: list[np.ndarray] = []
     if out.is_file():
         done = list(np.load(out, allow_pickle=False).values())
     if len(done) < num_sequences:
-        llm = LLM(target_dir, max_num_seqs=batch_size, max_model_len=prompt_len + continuation_len + 1)
+        llm = LLM(target_dir, max_num_seqs=batch_size, max_model_len=prompt_len + continuation_len + 1,
+                  quantization=quantization)
         gen = torch.Generator().manual_seed(seed)
         starts = torch.randint(0, len(corpus_tokens) - prompt_len, (num_sequences,), generator=gen).tolist()
         bar = tqdm(total=num_sequences, initial=len(done), desc="generate drafter data", unit="seq")

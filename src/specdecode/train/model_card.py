@@ -68,6 +68,15 @@ def write_card(model_dir: Path, title: str, command: str, description: str, samp
              f"| architecture | {_architecture(config)} |",
              f"| training wall time | {report['wall_seconds'] / 60:.1f} min on this project's 2-core CPU machine |",
              f"| tokens seen | {report['tokens_seen'] / 1e6:.2f}M |"]
+    if report.get("target_quantization") or report.get("qat") or report.get("init_from"):
+        lines += [f"| trained against | the target served {report.get('target_quantization') or 'in full precision'} |",
+                  f"| quantisation-aware training | {report.get('qat') or 'no'} |",
+                  f"| fine-tuned from | {report.get('init_from') or 'no (fresh initialisation)'} |"]
+        before = report.get("before_training") or {}
+        for key, label in (("val_top1_agreement", "top-1 agreement"), ("val_one_minus_tv", "mean 1 - TV")):
+            if key in before and key in report:
+                lines.append(f"| validation {label} against that target, before -> after | "
+                             f"{before[key]:.4f} -> {report[key]:.4f} |")
     for key, label in (("val_loss", "validation loss (nats/token)"), ("val_perplexity", "validation perplexity"),
                        ("val_top1_agreement", "validation top-1 agreement with the target"),
                        ("val_one_minus_tv", "validation mean 1 - TV(p_target, q_drafter)"),
