@@ -94,7 +94,9 @@ def _add_model_args(p, speculative: bool = True, exact: bool = True) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--quantization", default=None, metavar="SCHEME",
                    help="weight-only quantisation of the target and its drafter: int8 (per channel), int4 (groups "
-                   "of 32), int4-g64, int4-g128; quantised at load and cached on disk (default: none, dtype weights)")
+                   "of 32), int4-g64, int4-g128; quantised at load and cached on disk (default: none, dtype weights). "
+                   "With the default model, a drafter matched to this scheme is used where one is shipped; the "
+                   "drafter's own precision: speculative_config draft_quantization")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the target's (and a draft model's) forward: faster steps after compiling a few "
                    "graphs once (tens of seconds on a CPU, logged; default: --no-compile)")

@@ -92,7 +92,10 @@ class LLM:
     model: an HF checkpoint directory (Llama / Mistral / Qwen2 / Qwen3); None = the
     embedded default model. speculative_config: a dict or vLLM-style JSON string (see README).
     quantization: weight-only "int8" or "int4" (groups of 32; "int4-g64", "int4-g128") for the
-    target and its drafter, quantised at load time and cached on disk; None = dtype weights.
+    target and its drafter, quantised at load time and cached on disk; None = dtype weights. With
+    the default model, a drafter shipped matched to that scheme is picked when there is one
+    (speculative_config.draft_quantization sets the drafter's own precision; README
+    "Quantised targets: matched drafters").
     compile: torch.compile the target's forward (a draft model's, an EAGLE/MTP drafter's step): faster steps after a
     one-time compilation of a few graphs (tens of seconds on a CPU; logged, and cached by PyTorch).
     exact: exact mode (CPU): the target's forwards give bitwise the same logits for a token alone, in a

@@ -6,6 +6,7 @@ import dataclasses
 
 import specdecode.speculative.propose.builtin  # noqa: F401  (registers the built-in methods)
 from specdecode.errors import ConfigError
+from specdecode.models.quant import QuantScheme
 from specdecode.speculative.propose.registry import PROPOSERS
 
 DRAFT_LENGTH_SCHEDULES = ("constant", "heuristic", "auto")
@@ -35,6 +36,11 @@ class SpeculativeConfig:
         of the drafter's per-position confidences) stays at or above it. 0 = off.
     dspark_block_size: DSpark's draft block gamma (verify window gamma + 1); sets
         num_speculative_tokens for method dspark.
+    draft_quantization: how the drafter's own weights are stored: "none", "int8", "int4"
+        ("int4-g64", "int4-g128"); unset = the scheme the drafter was trained quantisation-aware
+        at (its config.json), else the target's quantization (vLLM's
+        speculative_draft_model_quantization). Drafters that reuse the target's LM head
+        (DFlash, DSpark, Medusa) keep it as the target stores it.
     tree_topk: branching of tree drafts (1 = a chain); tree_num_nodes: nodes per tree
         (SGLang --speculative-eagle-topk / --speculative-num-draft-tokens; depth is
         num_speculative_tokens, SGLang's --speculative-num-steps).
@@ -53,6 +59,7 @@ class SpeculativeConfig:
     tree_num_nodes: int = 16
     confidence_threshold: float = 0.0
     dspark_block_size: int | None = None
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in PROPOSERS:
@@ -77,6 +84,13 @@ class SpeculativeConfig:
             _check(_is_int(self.dspark_block_size) and 1 <= self.dspark_block_size <= 64, "dspark_block_size",
                    "an integer in [1, 64]")
             self.num_speculative_tokens = self.dspark_block_size
+        if self.draft_quantization is not None:
+            _check(isinstance(self.draft_quantization, str), "draft_quantization", "a string: none, int8, int4, "
+                   "int4-g64 or int4-g128")
+            try:
+                QuantScheme.parse(self.draft_quantization)
+            except ConfigError as e:
+                raise ConfigError(f"speculative_config.draft_quantization is invalid: {e}") from None
         _check(_is_int(self.tree_num_nodes) and 1 <= self.tree_num_nodes <= 256, "tree_num_nodes", "an integer in [1, 256]")
 
     @classmethod

@@ -105,7 +105,7 @@ class ProposerContext:
     dtype: torch.dtype
     device: torch.device
     grouping: "LengthGrouping"  # how ragged forwards are cut into length groups on this device
-    quantization: "QuantScheme | None" = None  # the target's weight quantisation: learned drafters load with it too
+    quantization: "QuantScheme | None" = None  # the target's weight quantisation (drafters follow it unless told: resolve.py)
     compile: bool = False  # the target's forward is compiled: a draft model's is too
 
 

@@ -1,24 +1,33 @@
-"""Where a drafter's checkpoint comes from, and whether it was built for this target (width,
-vocabulary and token map, tapped layers, token ids)."""
+"""Where a drafter's checkpoint comes from, whether it was built for this target (width,
+vocabulary and token map, tapped layers, token ids), and at which weight precision it is served."""
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 from specdecode.defaults import is_default_model, models_dir
 from specdecode.errors import ConfigError, DrafterMismatchError
+from specdecode.models.quant import QuantScheme
 from specdecode.speculative.propose.proposer import ProposerContext
 from specdecode.tokenizer import Tokenizer
 
+log = logging.getLogger(__name__)
+
 
 def resolve_drafter_dir(ctx: ProposerContext, default_name: str) -> Path:
-    """speculative_config.model, or the drafter shipped for this method with the default model."""
+    """speculative_config.model, or the drafter shipped for this method with the default model:
+    the one matched to the target's weight quantisation when one is shipped (`train-drafter
+    --target-quantization`), else `default_name`. Says which it picked, and warns when a drafter
+    is paired with a target quantised differently from the one it was matched to."""
     method = ctx.config.method
     if ctx.config.model is not None:
         path = Path(ctx.config.model)
         if not (path / "config.json").is_file():
             raise ConfigError(f"speculative_config.model {str(path)!r} is not a checkpoint directory (no config.json)")
+        _warn_if_mismatched(ctx, path)
         return path
     if not is_default_model(ctx.target_dir):
         raise ConfigError(f"speculative_config.model is required for method {method!r}: drafters are shipped "
@@ -27,7 +36,61 @@ def resolve_drafter_dir(ctx: ProposerContext, default_name: str) -> Path:
     if not (path / "config.json").is_file():
         raise ConfigError(f"the shipped {method!r} drafter is missing at {path}; train it with "
                           f"`specdecode train-drafter --method {method}` or pass speculative_config.model")
+    if ctx.quantization is None:
+        return path
+    target_scheme = ctx.quantization.name
+    matched = _shipped_matched_drafter(default_name, method, target_scheme)
+    if matched is not None:
+        log.info("speculative_config: %s target, using %s, the %s drafter trained against it", target_scheme,
+                 matched.name, method)
+        return matched
+    log.info("speculative_config: no %s drafter matched to the %s target is shipped; using %s (trained against "
+             "the full-precision target)", method, target_scheme, path.name)
     return path
+
+
+def drafter_provenance(path: Path) -> dict:
+    """The `specdecode` block of a drafter's config.json (method, target, target_quantization,
+    qat; empty when it has none, e.g. a drafter made elsewhere)."""
+    try:
+        block = json.loads((path / "config.json").read_text()).get("specdecode")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return {}
+    return block if isinstance(block, dict) else {}
+
+
+def _shipped_matched_drafter(default_name: str, method: str, target_scheme: str) -> Path | None:
+    """The shipped `<default_name>-...` folder of this method matched to `target_scheme`; of
+    several, one that was also trained quantisation-aware at that scheme."""
+    found = []
+    for path in sorted(models_dir().glob(f"{default_name}-*")):
+        meta = drafter_provenance(path)
+        if meta.get("method") == method and meta.get("target_quantization") == target_scheme:
+            found.append(path)
+    found.sort(key=lambda p: drafter_provenance(p).get("qat") != target_scheme)
+    return found[0] if found else None
+
+
+def _warn_if_mismatched(ctx: ProposerContext, path: Path) -> None:
+    meta = drafter_provenance(path)
+    if "target_quantization" not in meta:
+        return  # no record of what it was trained against
+    theirs, ours = meta["target_quantization"], ctx.quantization.name if ctx.quantization is not None else None
+    if theirs != ours:
+        log.warning("speculative_config.model %s was trained against the %s target; this target is %s: its "
+                    "acceptance may be lower (train a matched one with `specdecode train-drafter "
+                    "--target-quantization %s`)", path, theirs or "full-precision", ours or "full-precision",
+                    ours or "none")
+
+
+def drafter_quantization(ctx: ProposerContext, path: Path) -> QuantScheme | None:
+    """How the drafter's own linear layers are stored: speculative_config.draft_quantization
+    when set ("none": the activation dtype); else the scheme it was trained quantisation-aware
+    at (`train-drafter --qat`), else the target's."""
+    if ctx.config.draft_quantization is not None:
+        return QuantScheme.parse(ctx.config.draft_quantization)
+    qat = drafter_provenance(path).get("qat")
+    return QuantScheme.parse(qat) if qat else ctx.quantization
 
 
 def check_fits_target(ctx: ProposerContext, drafter_dir: Path, *, hidden_size: int | None = None,

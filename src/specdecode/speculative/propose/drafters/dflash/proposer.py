@@ -18,7 +18,7 @@ from specdecode.speculative.propose.drafters.dflash.model import DFlashDrafter, 
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
 from specdecode.speculative.propose.static_tree import StaticTree
 
 
@@ -36,7 +36,8 @@ class DFlashProposer(TargetFeatureBuffer):
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, self.default_checkpoint)
-        self.drafter = prepare_for_inference(self._load(ctx, path), path, ctx.dtype, ctx.device, ctx.quantization)
+        self.drafter = prepare_for_inference(self._load(ctx, path), path, ctx.dtype, ctx.device,
+                                             drafter_quantization(ctx, path))
         cfg = self.drafter.cfg
         if ctx.config.num_speculative_tokens > cfg.block_size - 1:
             raise ConfigError(f"speculative_config.num_speculative_tokens ({ctx.config.num_speculative_tokens}) exceeds "

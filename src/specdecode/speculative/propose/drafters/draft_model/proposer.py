@@ -20,7 +20,7 @@ from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
 
 
 @dataclasses.dataclass(slots=True)
@@ -40,12 +40,13 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, self.default_checkpoint)
-        self.model = load_model(path, ctx.dtype, ctx.device, ctx.quantization)
+        quantization = drafter_quantization(ctx, path)
+        self.model = load_model(path, ctx.dtype, ctx.device, quantization)
         check_fits_target(ctx, path, vocab_size=self.model.config.vocab_size)  # a separate model: any width
         if self.model.config.max_position_embeddings < ctx.max_len:
             raise ConfigError(f"speculative_config.model: the drafter's context ({self.model.config.max_position_embeddings}) "
                               f"is shorter than the target's max_model_len ({ctx.max_len})")
-        self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device, ctx.quantization,
+        self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device, quantization,
                              compile=ctx.compile)
         self.p_min = ctx.config.draft_p_min
 

@@ -18,7 +18,7 @@ from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
 
 
 class EagleProposer(TargetFeatureBuffer):
@@ -32,7 +32,7 @@ class EagleProposer(TargetFeatureBuffer):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-{self.variant}")
         self.drafter = prepare_for_inference(load_drafter(path, ctx.dtype, ctx.device), path, ctx.dtype, ctx.device,
-                                             ctx.quantization)
+                                             drafter_quantization(ctx, path))
         if self.drafter.cfg.variant != self.variant:
             raise ConfigError(f"speculative_config.model {str(path)!r} is a {self.drafter.cfg.variant!r} drafter, "
                               f"not {self.variant!r}")

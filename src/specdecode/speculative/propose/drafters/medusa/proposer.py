@@ -23,7 +23,7 @@ from specdecode.models.inference import prepare_for_inference
 from specdecode.speculative.propose.drafters.medusa.model import load_heads
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
-from specdecode.speculative.propose.resolve import check_fits_target, resolve_drafter_dir
+from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
 from specdecode.speculative.propose.static_tree import StaticTree
 
 
@@ -42,7 +42,7 @@ class MedusaProposer(ProposerBase[MedusaState]):
         super().__init__(ctx)
         path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-medusa")
         self.heads = prepare_for_inference(load_heads(path, ctx.dtype, ctx.device), path, ctx.dtype, ctx.device,
-                                           ctx.quantization)
+                                           drafter_quantization(ctx, path))
         depth = ctx.config.num_speculative_tokens
         if depth > self.heads.num_heads:
             raise ConfigError(f"speculative_config.num_speculative_tokens ({depth}) exceeds this Medusa "
