@@ -1,12 +1,16 @@
-"""What weight quantisation costs in quality: held-out loss and top-1 agreement with bf16.
+"""What weight quantisation costs in quality: held-out loss, and how far the quantised target's
+next-token distributions are from bf16's (top-1 agreement, total variation, KL).
 
     python -m specdecode.bench.quant_quality [--model DIR] [--schemes int8,int4-g32,int4-g64,int4-g128]
 
 Runs the model in bf16 and under each scheme over the validation split of the standard-library
 corpus (the files the default model never trained on, `train/corpus.py`), in windows of
-`--window` tokens, and reports per scheme: the mean next-token loss, its change from bf16, and
-how often the quantised model's argmax equals the bf16 model's (the rate at which greedy
-decoding of the two agrees token by token, given the same prefix).
+`--window` tokens, and reports per scheme: the mean next-token loss, its change from bf16, how
+often the quantised model's argmax equals the bf16 model's (the rate at which greedy decoding
+of the two agrees token by token, given the same prefix), and the mean total variation and
+KL(p_bf16 || p_quantised) between their next-token distributions: the mismatch a drafter
+trained against the bf16 target meets when it serves the quantised one (1 - TV bounds the
+per-token acceptance of a drafter that were the bf16 target itself, METHODS.md 1).
 """
 
 from __future__ import annotations
@@ -18,16 +22,20 @@ import torch
 
 
 @torch.inference_mode()
-def evaluate(model, windows: list[torch.Tensor]) -> tuple[float, list[torch.Tensor]]:
-    """Mean next-token loss over the windows, and each window's argmax [T-1]."""
-    total, count, argmaxes = 0.0, 0, []
-    for ids in windows:
-        positions = torch.arange(ids.shape[0])[None]
-        logits = model.compute_logits(model(ids[None], positions).hidden)[0, :-1]  # [T-1, V] float32
-        total += torch.nn.functional.cross_entropy(logits, ids[1:], reduction="sum").item()
-        count += ids.shape[0] - 1
-        argmaxes.append(logits.argmax(-1))
-    return total / count, argmaxes
+def next_token_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """[T-1, V] float32 logits of each window position's next token."""
+    positions = torch.arange(ids.shape[0])[None]
+    return model.compute_logits(model(ids[None], positions).hidden)[0, :-1].float()
+
+
+def compare(reference: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor) -> dict[str, float]:
+    """Sums over one window's positions: next-token loss, top-1 agreement with the reference,
+    total variation sum_x |p - q| / 2 and KL(p_ref || q) of the next-token distributions."""
+    log_p, log_q = reference.log_softmax(-1), logits.log_softmax(-1)
+    return {"loss": torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item(),
+            "agree": (reference.argmax(-1) == logits.argmax(-1)).sum().item(),
+            "tv": (0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)).sum().item(),
+            "kl": (log_p.exp() * (log_p - log_q)).sum(-1).sum().item()}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,19 +65,30 @@ def main(argv: list[str] | None = None) -> int:
         if len(windows) >= args.max_windows:
             break
     windows = windows[: args.max_windows]
-    reference_loss, reference = evaluate(load_model(model_dir, torch.bfloat16), windows)
-    rows = [{"scheme": "bf16", "loss": round(reference_loss, 4), "delta_loss": 0.0, "top1_agreement": 1.0}]
-    for name in tqdm(args.schemes.split(","), desc="schemes"):
-        scheme = QuantScheme.parse(name)
-        loss, argmaxes = evaluate(load_model(model_dir, torch.bfloat16, quantization=scheme), windows)
-        same = sum((a == b).sum().item() for a, b in zip(argmaxes, reference))
-        total = sum(a.numel() for a in reference)
-        rows.append({"scheme": scheme.name, "loss": round(loss, 4), "delta_loss": round(loss - reference_loss, 4),
-                     "top1_agreement": round(same / total, 4)})
+    names = ["bf16", *(QuantScheme.parse(name).name for name in args.schemes.split(","))]
+    models = {name: load_model(model_dir, torch.bfloat16, quantization=QuantScheme.parse(name if name != "bf16" else None))
+              for name in names}
+    totals = {name: {"loss": 0.0, "agree": 0.0, "tv": 0.0, "kl": 0.0} for name in names}
+    count = 0
+    for ids in tqdm(windows, desc="windows"):
+        reference = next_token_logits(models["bf16"], ids)
+        for name in names:
+            logits = reference if name == "bf16" else next_token_logits(models[name], ids)
+            for key, value in compare(reference, logits, ids[1:]).items():
+                totals[name][key] += value
+        count += ids.shape[0] - 1
+    reference_loss = totals["bf16"]["loss"] / count
+    rows = [{"scheme": name,
+             "loss": round(totals[name]["loss"] / count, 4),
+             "delta_loss": round(totals[name]["loss"] / count - reference_loss, 4),
+             "top1_agreement": round(totals[name]["agree"] / count, 4),
+             "tv": round(totals[name]["tv"] / count, 4), "kl": round(totals[name]["kl"] / count, 5)} for name in names]
     print(f"{len(windows)} windows x {args.window} tokens of held-out standard-library code")
-    print("| weights | loss | vs bf16 | top-1 agreement with bf16 |\n| --- | --- | --- | --- |")
+    print("| weights | loss | vs bf16 | top-1 agreement with bf16 | TV to bf16 | KL(bf16 ‖ q) |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['scheme']} | {r['loss']:.4f} | {r['delta_loss']:+.4f} | {r['top1_agreement']:.1%} |")
+        print(f"| {r['scheme']} | {r['loss']:.4f} | {r['delta_loss']:+.4f} | {r['top1_agreement']:.1%} | "
+              f"{r['tv']:.4f} | {r['kl']:.5f} |")
     print(json.dumps(rows))
     return 0
 
