@@ -1,0 +1,205 @@
+"""Drafters matched to a quantised target: `train-drafter --target-quantization / --qat /
+--init-from`, the provenance they record, and how serving picks, quantises and warns."""
+
+import json
+import logging
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from helpers import Interrupted, interrupt_after
+from safetensors.torch import load_file
+
+from specdecode import LLM, SamplingParams
+from specdecode.defaults import default_model_dir, models_dir
+from specdecode.errors import ConfigError
+from specdecode.models.quant import QuantizedLinear, QuantScheme
+from specdecode.speculative.config import SpeculativeConfig
+from specdecode.train.drafter import DrafterTrainConfig, train_drafter
+from specdecode.train.qat import FakeQuantLinear, enable_qat, fake_quantize
+
+INT4 = QuantScheme.parse("int4")
+
+
+@pytest.fixture()
+def work_dir(tmp_path):
+    """A cached token file, so the test does not tokenize the standard library."""
+    rng = np.random.default_rng(0)
+    work = tmp_path / "work"
+    work.mkdir()
+    np.savez(work / "tokens.npz", train=rng.integers(3, 320, 4000).astype(np.uint16),
+             val=rng.integers(3, 320, 1000).astype(np.uint16))
+    return work
+
+
+@pytest.mark.parametrize("spec", ["int8", "int4", "int4-g128"])
+def test_fake_quantize_is_the_served_weight_with_an_identity_gradient(spec):
+    scheme = QuantScheme.parse(spec)
+    weight = torch.randn(48, 256, requires_grad=True)
+    fake = fake_quantize(weight, scheme)
+    served = QuantizedLinear.from_weight(weight.detach().to(torch.bfloat16).float(), None, scheme)  # the bf16 checkpoint
+    assert torch.equal(fake, served.dequantize())
+    assert not torch.equal(fake, weight)  # rounding happened
+    grad_out = torch.randn_like(fake)
+    (fake * grad_out).sum().backward()
+    assert torch.equal(weight.grad, grad_out)  # straight through
+
+
+def test_enable_qat_converts_what_serving_quantises_and_leaves_the_target_alone():
+    shared = torch.nn.Linear(64, 32)
+    drafter = torch.nn.ModuleDict({"a": torch.nn.Linear(64, 64), "odd": torch.nn.Linear(40, 64), "shared": shared})
+    target = torch.nn.ModuleDict({"head": shared})
+    assert enable_qat(drafter, INT4, exclude=(target,)) == ["a"]  # 40 is no multiple of the group: served as is
+    assert type(drafter["a"]) is FakeQuantLinear and type(drafter["odd"]) is torch.nn.Linear and type(shared) is torch.nn.Linear
+    assert list(drafter["a"].state_dict()) == ["weight", "bias"]  # checkpoints keep their names
+    x = torch.randn(3, 64)
+    served = QuantizedLinear.from_weight(drafter["a"].weight.detach().to(torch.bfloat16).float(), drafter["a"].bias, INT4)
+    torch.testing.assert_close(drafter["a"](x), served(x), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("method, extra", [("mtp", {}), ("dflash", {"block_size": 4, "dflash_layers": 1}),
+                                           ("draft_model", {"num_layers": 1, "intermediate_size": 64})])
+def test_matched_qat_training_resumes_serves_and_equals_the_quantised_target(native_model, work_dir, tmp_path,
+                                                                              monkeypatch, method, extra):
+    common = dict(method=method, target=native_model, batch_size=2, context=48, eval_windows=2, warmup_steps=1,
+                  seed=0, max_steps=2, checkpoint_minutes=0.0, **extra)
+    base_work = tmp_path / "base-work"
+    shutil.copytree(work_dir, base_work)
+    base = tmp_path / "base"
+    train_drafter(DrafterTrainConfig(out_dir=base, work_dir=base_work, **common))  # the bf16 drafter to fine-tune
+    matched = dict(common, target_quantization="int4", qat="int4", init_from=base)
+    straight_work = tmp_path / "straight-work"
+    shutil.copytree(work_dir, straight_work)
+    straight = train_drafter(DrafterTrainConfig(out_dir=tmp_path / "straight", work_dir=straight_work, **matched))
+    # Fine-tuning starts from the base drafter: before any step it predicts exactly as the base did
+    # against the same (quantised) target, not as a fresh initialisation would.
+    assert straight["before_training"] is not None and straight["init_from"] == "base"
+
+    out = tmp_path / "matched"
+    with monkeypatch.context() as m:
+        interrupt_after(m, 1)
+        with pytest.raises(Interrupted):
+            train_drafter(DrafterTrainConfig(out_dir=out, work_dir=work_dir, **matched))
+    report = train_drafter(DrafterTrainConfig(out_dir=out, work_dir=work_dir, **matched), resume=True)
+    assert report["steps"] == 2 and report["before_training"] is None
+    a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(out / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # resumed == uninterrupted
+    assert not all(torch.equal(a[k], v) for k, v in load_file(base / "model.safetensors").items())  # it trained
+
+    provenance = json.loads((out / "config.json").read_text())["specdecode"]
+    assert (provenance["target_quantization"], provenance["qat"]) == ("int4-g32", "int4-g32")
+    assert (report["target_quantization"], report["qat"]) == ("int4-g32", "int4-g32")
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99]}, {"prompt_token_ids": [7, 8, 9, 10, 11]}]
+    plain = LLM(native_model, dtype="float32", quantization="int4").generate(prompts, params)
+    for draft_quantization in (None, "none"):
+        spec = {"method": method, "model": str(out), "num_speculative_tokens": 3}
+        if draft_quantization:
+            spec["draft_quantization"] = draft_quantization
+        llm = LLM(native_model, dtype="float32", quantization="int4", speculative_config=spec)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+        proposer = llm.speculator.proposer
+        drafter = next(getattr(proposer, name) for name in ("drafter", "model") if hasattr(proposer, name))
+        own = [m for m in drafter.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
+        # Unset: served at its QAT scheme; "none": the activation dtype (DFlash's head is the target's).
+        assert (len(own) > 0) == (draft_quantization is None)
+        assert all(m.scheme == INT4 for m in own)
+
+
+def test_init_from_refuses_a_drafter_of_another_shape(native_model, work_dir, tmp_path):
+    common = dict(method="eagle3", target=native_model, batch_size=2, context=48, eval_windows=2, warmup_steps=1,
+                  seed=0, max_steps=1, checkpoint_minutes=0.0)
+    train_drafter(DrafterTrainConfig(out_dir=tmp_path / "small", work_dir=work_dir, draft_vocab_size=64, **common))
+    with pytest.raises(ValueError, match="training_report.json"):
+        train_drafter(DrafterTrainConfig(out_dir=tmp_path / "x", work_dir=tmp_path / "w2", draft_vocab_size=128,
+                                         init_from=tmp_path / "small", **common))
+    with pytest.raises(ValueError, match="not an exported drafter"):
+        DrafterTrainConfig(method="eagle3", target=native_model, init_from=tmp_path / "nothing")
+
+
+def test_matched_names_and_scheme_flags(native_model):
+    cfg = DrafterTrainConfig(method="mtp", target=native_model, target_quantization="int4", qat="int4")
+    assert (cfg.target_quantization, cfg.qat) == ("int4-g32", "int4-g32")  # canonical names, as recorded
+    assert cfg.out_dir.name == f"{native_model.name}-mtp-int4-g32-qat"
+    assert str(cfg.work_dir) == "runs/train-drafter-mtp-int4-g32-qat"
+    other = DrafterTrainConfig(method="draft_model", target=native_model, target_quantization="int8", qat="int4-g64")
+    assert other.out_dir.name == f"{native_model.name}-draft-int8-qat-int4-g64"
+    with pytest.raises(ConfigError, match="int3"):
+        DrafterTrainConfig(method="mtp", target=native_model, qat="int3")
+    with pytest.raises(ConfigError, match="draft_quantization"):
+        SpeculativeConfig.parse({"method": "mtp", "draft_quantization": "int3"})
+    with pytest.raises(ConfigError, match="draft_quantization"):
+        SpeculativeConfig.parse({"method": "mtp", "draft_quantization": 4})
+
+
+def _fake_shipped(root, name, source, target_quantization, qat):
+    shutil.copytree(source, root / name)
+    config = json.loads((root / name / "config.json").read_text())
+    config["specdecode"].update(target_quantization=target_quantization, qat=qat)
+    (root / name / "config.json").write_text(json.dumps(config))
+
+
+def test_serving_picks_the_drafter_matched_to_the_target_and_says_so(tmp_path, monkeypatch, caplog):
+    # A models folder with the default target, its bf16 MTP drafter and two int8-matched ones.
+    shutil.copytree(default_model_dir(), tmp_path / default_model_dir().name)
+    mtp = models_dir() / f"{default_model_dir().name}-mtp"
+    shutil.copytree(mtp, tmp_path / mtp.name)
+    _fake_shipped(tmp_path, f"{mtp.name}-int8", mtp, "int8", None)
+    _fake_shipped(tmp_path, f"{mtp.name}-int8-qat", mtp, "int8", "int8")
+    monkeypatch.setenv("SPECDECODE_MODELS_DIR", str(tmp_path))
+    caplog.set_level(logging.INFO, logger="specdecode.speculative.propose.resolve")
+
+    llm = LLM(dtype="float32", quantization="int8", speculative_config={"method": "mtp"})
+    assert f"using {mtp.name}-int8-qat" in caplog.text  # of two matched ones, the QAT one
+    own = [m for m in llm.speculator.proposer.drafter.modules() if isinstance(m, QuantizedLinear)]
+    assert own and all(m.scheme.name == "int8" for m in own)
+    caplog.clear()
+    LLM(dtype="float32", quantization="int4", speculative_config={"method": "mtp"})
+    assert f"no mtp drafter matched to the int4-g32 target is shipped; using {mtp.name} " in caplog.text
+    caplog.clear()
+    LLM(dtype="float32", speculative_config={"method": "mtp", "model": str(tmp_path / f"{mtp.name}-int8")})
+    assert "was trained against the int8 target; this target is full-precision" in caplog.text
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    caplog.clear()
+    LLM(dtype="float32", speculative_config={"method": "mtp"})  # bf16 target: the bf16 drafter, nothing to say
+    assert "int8" not in caplog.text
+
+
+def test_quant_quality_reports_the_quantised_targets_distance(native_model, capsys):
+    from specdecode.bench.quant_quality import compare, main
+
+    logits = torch.randn(5, 40)
+    same = compare(logits, logits, torch.zeros(5, dtype=torch.long))
+    assert same["agree"] == 5 and abs(same["tv"]) < 1e-6 and abs(same["kl"]) < 1e-6
+    other = compare(logits, torch.randn(5, 40), torch.zeros(5, dtype=torch.long))
+    assert 0 < other["tv"] < 5 and other["kl"] > 0
+    assert main(["--model", str(native_model), "--schemes", "int8,int4-g32", "--max-windows", "2", "--window", "32"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["scheme"] for r in rows] == ["bf16", "int8", "int4-g32"]
+    assert rows[0]["tv"] == 0 and rows[0]["kl"] == 0 and rows[0]["top1_agreement"] == 1
+    assert all(0 < r["tv"] < 1 and r["kl"] > 0 for r in rows[1:])
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_shipped_matched_drafters_are_picked_for_int4_and_lossless(method, caplog):
+    from specdecode.bench.prompts import load_prompts
+
+    caplog.set_level(logging.INFO, logger="specdecode.speculative.propose.resolve")
+    prompts = load_prompts("humaneval", 3)
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    # Exact mode: the served bf16 int4 target, bit for bit the same alone and in verify forwards.
+    plain = LLM(quantization="int4", exact=True).generate(prompts, params)
+    llm = LLM(quantization="int4", exact=True, speculative_config={"method": method, "num_speculative_tokens": 3})
+    name = f"{default_model_dir().name}-{method}-int4-g32-qat"
+    assert f"using {name}, the {method} drafter trained against it" in caplog.text
+    provenance = json.loads((models_dir() / name / "config.json").read_text())["specdecode"]
+    assert (provenance["target_quantization"], provenance["qat"]) == ("int4-g32", "int4-g32")
+    own = [m for m in llm.speculator.proposer.drafter.modules() if isinstance(m, QuantizedLinear)]
+    assert own and all(m.scheme == INT4 for m in own)  # served at its QAT scheme
+    outputs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
+    accepted = sum(o.metrics.num_accepted_tokens for o in outputs) / sum(o.metrics.num_draft_tokens for o in outputs)
+    assert accepted > 0.4
