@@ -73,3 +73,16 @@ def trained_drafters(native_model, tmp_path_factory) -> dict[str, Path]:
         recipe.export(drafter, target, cfg, report)
         out[method] = root / method
     return out
+
+
+@pytest.fixture()
+def work_dir(tmp_path):
+    """A drafter-training work dir with a cached token file, so tests do not tokenize the standard library."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    work = tmp_path / "work"
+    work.mkdir()
+    np.savez(work / "tokens.npz", train=rng.integers(3, 320, 4000).astype(np.uint16),
+             val=rng.integers(3, 320, 1000).astype(np.uint16))
+    return work

@@ -5,7 +5,6 @@ import json
 import logging
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from helpers import Interrupted, interrupt_after
@@ -20,17 +19,6 @@ from specdecode.train.drafter import DrafterTrainConfig, train_drafter
 from specdecode.train.qat import FakeQuantLinear, enable_qat, fake_quantize
 
 INT4 = QuantScheme.parse("int4")
-
-
-@pytest.fixture()
-def work_dir(tmp_path):
-    """A cached token file, so the test does not tokenize the standard library."""
-    rng = np.random.default_rng(0)
-    work = tmp_path / "work"
-    work.mkdir()
-    np.savez(work / "tokens.npz", train=rng.integers(3, 320, 4000).astype(np.uint16),
-             val=rng.integers(3, 320, 1000).astype(np.uint16))
-    return work
 
 
 @pytest.mark.parametrize("spec", ["int8", "int4", "int4-g128"])

@@ -5,7 +5,6 @@ import dataclasses
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from helpers import Interrupted, interrupt_after
@@ -14,17 +13,6 @@ from safetensors.torch import load_file
 from specdecode import LLM, SamplingParams
 from specdecode.cli import build_parser
 from specdecode.train.drafter import DrafterTrainConfig, train_drafter
-
-
-@pytest.fixture()
-def work_dir(tmp_path):
-    """A cached token file, so the test does not tokenize the standard library."""
-    rng = np.random.default_rng(0)
-    work = tmp_path / "work"
-    work.mkdir()
-    np.savez(work / "tokens.npz", train=rng.integers(3, 320, 4000).astype(np.uint16),
-             val=rng.integers(3, 320, 1000).astype(np.uint16))
-    return work
 
 
 @pytest.mark.parametrize("method, extra", [("eagle3", {"draft_vocab_size": 128}), ("medusa", {}),
