@@ -62,13 +62,12 @@ def drafter_provenance(path: Path) -> dict:
 def _shipped_matched_drafter(default_name: str, method: str, target_scheme: str) -> Path | None:
     """The shipped `<default_name>-...` folder of this method matched to `target_scheme`; of
     several, one that was also trained quantisation-aware at that scheme."""
-    found = []
+    found = []  # (not trained quantisation-aware at the scheme, path): the QAT one sorts first
     for path in sorted(models_dir().glob(f"{default_name}-*")):
         meta = drafter_provenance(path)
         if meta.get("method") == method and meta.get("target_quantization") == target_scheme:
-            found.append(path)
-    found.sort(key=lambda p: drafter_provenance(p).get("qat") != target_scheme)
-    return found[0] if found else None
+            found.append((meta.get("qat") != target_scheme, path))
+    return min(found)[1] if found else None
 
 
 def _warn_if_mismatched(ctx: ProposerContext, path: Path) -> None:
