@@ -186,3 +186,62 @@ def interrupt_after(monkeypatch, stop_step: int) -> None:
             raise Interrupted
 
     monkeypatch.setattr(Checkpointer, "save", save_then_die)
+
+
+# 16 indexer heads: with few heads, ReLU often zeroes every head's score of a key, and tied
+# index scores at the top-k boundary make the choice (here and in transformers) arbitrary.
+DEEPSEEK = {
+    "deepseek_v3": dict(q_lora_rank=24),
+    "deepseek_v3-noqlora-yarn": dict(q_lora_rank=None, rope_interleave=False, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}),
+    "deepseek_v32": dict(q_lora_rank=24, index_topk=6, index_head_dim=16, index_n_heads=16),
+    "glm_moe_dsa": dict(q_lora_rank=24, index_topk=6, index_head_dim=16, index_n_heads=16,
+                        indexer_types=["full", "shared", "full"]),
+}
+
+
+def make_deepseek_model(out: Path, variant: str = "deepseek_v3", seed: int = 0, mtp_layers: int = 0, **extra) -> Path:
+    """A random transformers DeepSeek-family model (MLA, MoE from layer 1, 3 layers), saved with
+    save_pretrained, plus a tokenizer. `mtp_layers` appends random MTP layers
+    (model.layers.3.*: enorm, hnorm, eh_proj, a decoder block, shared_head), which transformers
+    itself does not build."""
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    model_type = variant.split("-")[0]
+    torch.manual_seed(seed)
+    kwargs = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
+                  n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, kv_lora_rank=16,
+                  qk_rope_head_dim=8, v_head_dim=12, qk_nope_head_dim=16, first_k_dense_replace=1,
+                  max_position_embeddings=256, eos_token_id=0, pad_token_id=1, num_nextn_predict_layers=mtp_layers)
+    kwargs.update(DEEPSEEK[variant])
+    kwargs.update(extra)
+    config = transformers.AutoConfig.for_model(model_type, **kwargs)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():  # decisive argmaxes, and routing that depends on the input
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0, 0.05)
+    model.save_pretrained(out, safe_serialization=True)
+    if mtp_layers:
+        from specdecode.models.config import ModelConfig
+        from specdecode.models.llama import MTPLayer
+
+        cfg = ModelConfig.from_dir(out)
+        state = load_file(str(out / "model.safetensors"))
+        for j in range(mtp_layers):
+            layer = MTPLayer(cfg, cfg.num_hidden_layers + j)
+            with torch.no_grad():
+                for p in layer.parameters():
+                    if p.dim() >= 2:
+                        p.normal_(0, 0.2)
+            state.update({f"model.layers.{cfg.num_hidden_layers + j}.{k}": v.contiguous()
+                          for k, v in layer.state_dict().items()})
+        save_file(state, str(out / "model.safetensors"))
+    make_tokenizer(out)
+    return out

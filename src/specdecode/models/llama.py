@@ -22,6 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.models.config import ModelConfig
+from specdecode.models.dsa import SparseContext
+from specdecode.models.mla import MLAAttention
+from specdecode.models.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -36,11 +39,47 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071) as HF computes it: interpolate low frequencies by `factor`, keep
+    high ones, blend linearly between the beta_fast / beta_slow rotation counts; cos and sin are
+    scaled by the attention factor (DeepSeek: mscale / mscale_all_dim)."""
+    factor = scaling["factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = (_yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+                            if mscale and mscale_all_dim else _yarn_mscale(factor))
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # no division by zero
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1 = keep the original frequency
+    inv = inv_freq.float()
+    return inv / factor * (1 - extrapolation) + inv * extrapolation, float(attention_factor)
+
+
+def rope_parameters(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """inv_freq [head_dim / 2] and the factor cos/sin are scaled by (1 but for YaRN)."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     scaling = config.rope_scaling or {}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type == "yarn":  # HF computes YaRN's base frequencies in float32
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+        return _yarn_inv_freq(inv_freq, dim, config.rope_theta, scaling)
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     if rope_type == "linear":
         inv_freq = inv_freq / scaling["factor"]
     elif rope_type == "llama3":
@@ -57,18 +96,30 @@ def _rope_inv_freq(config: ModelConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
         inv_freq = torch.where(is_medium, smoothed, scaled)
-    return inv_freq.float()
+    return inv_freq.float(), 1.0
+
+
+def yarn_softmax_scale(config: ModelConfig, head_dim: int) -> float:
+    """DeepSeek's attention scale: head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN."""
+    scale = head_dim ** -0.5
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default" and scaling.get("mscale_all_dim"):
+        scale *= _yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+    return scale
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.register_buffer("inv_freq", _rope_inv_freq(config), persistent=False)
+        inv_freq, self.attention_factor = rope_parameters(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [B, T] -> cos, sin [B, T, 1, head_dim] (broadcast over heads)."""
         freqs = positions[..., None].float() * self.inv_freq  # [B, T, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
@@ -76,6 +127,16 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x [B, T, H, D]; rotate-half convention (HF / Llama)."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+def apply_rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] whose rotary pairs are (x0, x1), (x2, x3), ... (DeepSeek's layout). The
+    result is de-interleaved (evens' rotation, then odds'), as HF returns it: q and k get the
+    same permutation, so their dot products are those of the interleaved rotation."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half], sin[..., :half]
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -104,12 +165,27 @@ class KVCache:
     A sequence owns one slot (row). Its length lives with the sequence, not here, so rolling
     back k tokens is setting a length: stale columns past it are masked out and overwritten
     later. Column `max_len` is scratch space where padding tokens of a ragged batch write.
+
+    MLA layers (DeepSeek) keep one latent row per token in K, [.., 1, kv_lora_rank + rope dim],
+    and a zero-width V; DSA layers that run their indexer add an indexer-key cache
+    `index_k[i]` [.., 1, index_head_dim] (None elsewhere). `layer_ids` names the model layers the
+    cache serves (a built-in MTP drafter's cache serves layers L .. L+n-1).
     """
 
-    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device):
-        shape = (num_slots, max_len + 1, config.num_key_value_heads, config.head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_hidden_layers)]
+    def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
+                 layer_ids: range | list[int] | None = None):
+        layer_ids = list(range(config.num_hidden_layers) if layer_ids is None else layer_ids)
+
+        def columns(width: int, heads: int = 1) -> torch.Tensor:
+            return torch.zeros((num_slots, max_len + 1, heads, width), dtype=dtype, device=device)
+
+        if config.is_mla:
+            self.k = [columns(config.kv_lora_rank + config.head_dim) for _ in layer_ids]
+            self.v = [columns(0) for _ in layer_ids]
+        else:
+            self.k = [columns(config.head_dim, config.num_key_value_heads) for _ in layer_ids]
+            self.v = [columns(config.head_dim, config.num_key_value_heads) for _ in layer_ids]
+        self.index_k = [columns(config.index_head_dim) if config.indexer_runs(i) else None for i in layer_ids]
         self.num_slots = num_slots
         self.max_len = max_len
 
@@ -117,13 +193,16 @@ class KVCache:
     def scratch_index(self) -> int:
         return self.max_len
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return self.k + self.v + [t for t in self.index_k if t is not None]
+
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self._tensors())
 
     def copy_columns(self, slot_ids: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Move cache columns src [B, n] -> dst [B, n] per slot (tree path compaction)."""
         rows = slot_ids[:, None]
-        for cache in self.k + self.v:
+        for cache in self._tensors():
             cache[rows, dst] = cache[rows, src]
 
 
@@ -162,6 +241,8 @@ def fuse_projections(module: nn.Module) -> nn.Module:
             m.qkv = FusedLinear(m.q_proj, m.k_proj, m.v_proj)
         elif isinstance(m, MLP) and m.gate_up is None:
             m.gate_up = FusedLinear(m.gate_proj, m.up_proj)
+        elif isinstance(m, MLAAttention) and m.w_uk is None:
+            m.absorb()
     return module
 
 
@@ -287,22 +368,25 @@ class Attention(nn.Module):
         return apply_rope(k, cos, sin), v
 
 
+def write_columns(cache: torch.Tensor, batch: AttentionBatch, values: torch.Tensor) -> None:
+    """Store values [B, T, heads, width] at each sequence's slot and write columns."""
+    if batch.write_start is not None and batch.slot_range is not None:
+        (a, b), start, T = batch.slot_range, batch.write_start, values.shape[1]
+        cache[a:b, start:start + T] = values
+        return
+    cache[batch.slot_ids[:, None], batch.write_indices] = values.to(cache.dtype)  # no-op cast when dtypes match
+
+
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, batch: AttentionBatch, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v [B, T, kv_heads, head_dim] at each sequence's slot and write columns."""
-    if batch.write_start is not None and batch.slot_range is not None:
-        (a, b), start, T = batch.slot_range, batch.write_start, k.shape[1]
-        cache_k[a:b, start:start + T] = k
-        cache_v[a:b, start:start + T] = v
-        return
-    rows = batch.slot_ids[:, None]  # [B, 1]
-    cache_k[rows, batch.write_indices] = k.to(cache_k.dtype)  # no-op when dtypes match (always, outside autocast)
-    cache_v[rows, batch.write_indices] = v.to(cache_v.dtype)
+    write_columns(cache_k, batch, k)
+    write_columns(cache_v, batch, v)
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
-        d, f = config.hidden_size, config.intermediate_size
+        d, f = config.hidden_size, intermediate_size or config.intermediate_size  # MoE experts are narrower
         self.gate_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.up_proj = nn.Linear(d, f, bias=config.mlp_bias)
         self.down_proj = nn.Linear(f, d, bias=config.mlp_bias)
@@ -318,26 +402,68 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, attn_input_size: int | None = None):
+    """One block; its variants follow the config: MLA attention (DeepSeek) or standard
+    attention, an MoE MLP on the config's sparse layers or a dense one."""
+
+    def __init__(self, config: ModelConfig, attn_input_size: int | None = None, layer_idx: int = 0):
         super().__init__()
-        self.self_attn = Attention(config, attn_input_size)
-        self.mlp = MLP(config)
+        self.self_attn = MLAAttention(config, layer_idx) if config.is_mla else Attention(config, attn_input_size)
+        self.mlp = MoE(config) if config.is_moe_layer(layer_idx) else MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, batch=None, cache_k=None, cache_v=None, attn_input=None) -> torch.Tensor:
+    def forward(self, x, cos, sin, batch=None, cache_k=None, cache_v=None, attn_input=None,
+                dsa: SparseContext | None = None) -> torch.Tensor:
         """x [B, T, d] is the residual stream. `attn_input` replaces input_layernorm(x) as what
-        attention reads (EAGLE-3: [norm(embedding) ; norm(feature)], 2d wide)."""
+        attention reads (EAGLE-3: [norm(embedding) ; norm(feature)], 2d wide). `dsa` carries
+        DSA's indexer cache and shared top-k between layers (DeepSeek-V3.2, GLM-5)."""
         h = self.input_layernorm(x) if attn_input is None else attn_input
-        x = x + self.self_attn(h, cos, sin, batch, cache_k, cache_v)
+        if dsa is None:
+            x = x + self.self_attn(h, cos, sin, batch, cache_k, cache_v)
+        else:
+            x = x + self.self_attn(h, cos, sin, batch, cache_k, cache_v, dsa)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class SharedHead(nn.Module):
+    """An MTP layer's output norm and LM head (`shared_head.norm`, `shared_head.head`)."""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+
+class MTPLayer(DecoderLayer):
+    """DeepSeek-V3's built-in multi-token-prediction layer, stored as model.layers.{L + j}:
+    h' = eh_proj([enorm(embed(token t+1)) ; hnorm(h_t)]), one full decoder block, then
+    shared_head's norm and LM head give token t+2. h_t is the target's final-normed hidden
+    state (as vLLM and SGLang feed it); the embedding is the target's."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__(config, layer_idx=layer_idx)
+        d = config.hidden_size
+        self.enorm = RMSNorm(d, config.rms_norm_eps)
+        self.hnorm = RMSNorm(d, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        self.shared_head = SharedHead(config)
+
+    def block_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """embeds, hidden [B, T, d] -> the block's input [B, T, d]."""
+        return self.eh_proj(torch.cat((self.enorm(embeds), self.hnorm(hidden)), dim=-1))
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """The block's output [.., d] -> logits [.., vocab] float32."""
+        return row_linear(self.shared_head.head, self.shared_head.norm(out)).float()
 
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
+        L = config.num_hidden_layers
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList([DecoderLayer(config, layer_idx=i) for i in range(L)]
+                                    + [MTPLayer(config, L + j) for j in range(config.num_nextn_predict_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
 
@@ -397,6 +523,7 @@ class LlamaForCausalLM(nn.Module):
         kv_cache: KVCache | None = None,
         hidden_taps: tuple[int, ...] = (),
         inputs_embeds: torch.Tensor | None = None,  # [B, T, d], instead of input_ids
+        dsa_record: SparseContext | None = None,  # DSA analysis: a context whose `record` collects top-k
     ) -> ForwardOutput:
         """Run the stack. `hidden_taps` uses HF's hidden_states numbering: 0 is the embedding
         output, i is the output of layer i-1 (the input of layer i), L the last layer's
@@ -404,15 +531,19 @@ class LlamaForCausalLM(nn.Module):
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.model.layers):
+        L = self.config.num_hidden_layers  # MTP layers (model.layers[L:]) are drafters, not part of the stack
+        dsa = (dsa_record if dsa_record is not None else SparseContext()) if self.config.has_dsa else None
+        for i, layer in enumerate(self.model.layers[:L]):
             if i in hidden_taps:
                 taps[i] = x
+            if dsa is not None:
+                dsa.index_cache = kv_cache.index_k[i] if kv_cache is not None else None
             if kv_cache is None:
-                x = layer(x, cos, sin, batch)
+                x = layer(x, cos, sin, batch, dsa=dsa)
             else:
-                x = layer(x, cos, sin, batch, kv_cache.k[i], kv_cache.v[i])
-        if len(self.model.layers) in hidden_taps:
-            taps[len(self.model.layers)] = x
+                x = layer(x, cos, sin, batch, kv_cache.k[i], kv_cache.v[i], dsa=dsa)
+        if L in hidden_taps:
+            taps[L] = x
         return ForwardOutput(self.model.norm(x), taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ No `transformers` at run time: the config is read by ModelConfig, the weights by
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -17,6 +18,8 @@ from specdecode.models.config import ModelConfig
 from specdecode.models.inference import prepare_for_inference
 from specdecode.models.llama import LlamaForCausalLM
 from specdecode.models.quant import QuantScheme
+
+logger = logging.getLogger(__name__)
 
 
 def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
@@ -49,6 +52,10 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
+def _is_router(name: str) -> bool:
+    return name.endswith(("mlp.gate.weight", "mlp.gate.e_score_correction_bias"))
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                quantization: QuantScheme | None = None) -> LlamaForCausalLM:
     """The checkpoint as a frozen inference model (`prepare_for_inference`: projections fused,
@@ -58,6 +65,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
         raise ModelLoadError(f"model directory {path} does not exist")
     config = ModelConfig.from_dir(path)
     state = read_safetensors_dir(path)
+    if config.num_nextn_predict_layers and not any(
+            k.startswith(f"model.layers.{config.num_hidden_layers}.") for k in state):
+        # HF's DeepSeek classes drop the MTP layers when they save: the model serves without them.
+        logger.info("%s: config.json names %d MTP layer(s) but the weights hold none; loading without them",
+                    path, config.num_nextn_predict_layers)
+        config.num_nextn_predict_layers = 0
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = set(model.state_dict().keys())
@@ -70,7 +83,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     for name, param in model.state_dict().items():
         if name in state and tuple(state[name].shape) != tuple(param.shape):
             raise ModelLoadError(f"weight {name} has shape {tuple(state[name].shape)}, config implies {tuple(param.shape)}")
-    state = {k: v.to(device=device, dtype=dtype) for k, v in state.items() if k in expected}
+    # MoE routers stay float32 (their top-k choice is sensitive), as in the reference.
+    state = {k: v.to(device=device, dtype=torch.float32 if _is_router(k) else dtype)
+             for k, v in state.items() if k in expected}
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
