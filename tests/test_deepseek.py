@@ -10,7 +10,8 @@ from specdecode.errors import UnsupportedModelError
 from specdecode.models.config import ModelConfig, indexer_types_from
 from specdecode.models.loader import load_model
 
-from helpers import DEEPSEEK, make_deepseek_model
+from helpers import (CHI2_999_DF7, DEEPSEEK, chi_square, exact_second_token_probs, generate_ids,
+                     make_deepseek_model, verify_against_the_drafter)
 
 VARIANTS = list(DEEPSEEK)
 
@@ -131,3 +132,107 @@ def test_config_round_trip_and_routing_stays_float32(deepseek_models):
     model = load_model(deepseek_models["deepseek_v3"], torch.bfloat16)
     gate = model.model.layers[1].mlp.gate
     assert gate.weight.dtype == torch.float32 and gate.e_score_correction_bias.dtype == torch.float32
+
+
+@pytest.fixture(scope="module")
+def mtp_models(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("deepseek-mtp")
+    return {"deepseek_v3": make_deepseek_model(root / "v3", "deepseek_v3", mtp_layers=1),
+            "deepseek_v32": make_deepseek_model(root / "v32", "deepseek_v32", mtp_layers=1),
+            "glm_moe_dsa-2mtp": make_deepseek_model(root / "glm", "glm_moe_dsa", mtp_layers=2)}
+
+
+def test_mtp_layer_is_computed_as_deepseek_v3_defines_it(mtp_models):
+    """Built-in MTP against an independent reference: transformers' own decoder layer with the
+    MTP layer's weights, fed eh_proj([enorm(embed(t+1)) ; hnorm(h_t)]), then shared_head."""
+    import transformers
+    from safetensors.torch import load_file
+
+    path = mtp_models["deepseek_v3"]
+    ours = load_model(path, torch.float32)
+    hf_cfg = transformers.AutoConfig.from_pretrained(path)
+    hf_cfg.num_hidden_layers = 4  # build layer 3 (an MoE layer) to hold the MTP block's weights
+    hf_cfg._attn_implementation = "eager"
+    block = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3DecoderLayer(hf_cfg, 3).eval()
+    state = load_file(str(path / "model.safetensors"))
+    prefix = "model.layers.3."
+    weights = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)
+               and not k[len(prefix):].startswith(("enorm", "hnorm", "eh_proj", "shared_head"))}
+    experts = range(hf_cfg.n_routed_experts)  # transformers keeps the experts as stacked tensors
+    weights["mlp.experts.gate_up_proj"] = torch.stack([torch.cat((weights.pop(f"mlp.experts.{e}.gate_proj.weight"),
+                                                                   weights.pop(f"mlp.experts.{e}.up_proj.weight")))
+                                                        for e in experts])
+    weights["mlp.experts.down_proj"] = torch.stack([weights.pop(f"mlp.experts.{e}.down_proj.weight") for e in experts])
+    block.load_state_dict(weights)
+    rotary = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3RotaryEmbedding(hf_cfg)
+
+    def rms(x, w, eps=hf_cfg.rms_norm_eps):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    ids = _ids(10)
+    T = ids.shape[1] - 1
+    with torch.no_grad():
+        hidden = ours(ids, torch.arange(10)[None]).hidden  # final-normed target states
+        emb = state["model.embed_tokens.weight"][ids[:, 1:]]
+        x = torch.cat((rms(emb, state[prefix + "enorm.weight"]), rms(hidden[:, :T], state[prefix + "hnorm.weight"])), -1)
+        x = x @ state[prefix + "eh_proj.weight"].t()
+        pos = torch.arange(T)[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        out = block(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        want = rms(out, state[prefix + "shared_head.norm.weight"]) @ state[prefix + "shared_head.head.weight"].t()
+        layer = ours.model.layers[3]
+        cos, sin = ours.model.rotary_emb(pos, x.dtype)
+        got = layer.logits(layer(layer.block_input(ours.model.embed_tokens(ids[:, 1:]), hidden[:, :T]), cos, sin))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+SPEC_METHODS = [
+    {"method": "mtp", "num_speculative_tokens": 3},
+    {"method": "mtp", "num_speculative_tokens": 2, "tree_topk": 2, "tree_num_nodes": 6},
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+]
+
+
+@pytest.mark.parametrize("variant", ["deepseek_v3", "deepseek_v32", "glm_moe_dsa-2mtp"])
+@pytest.mark.parametrize("spec", SPEC_METHODS, ids=["mtp-chain", "mtp-tree", "ngram"])
+def test_speculation_on_deepseek_targets_is_lossless(mtp_models, variant, spec):
+    """Greedy outputs of built-in MTP (chain, EAGLE-2 tree; chaining / cycling the layers for
+    k beyond their number) and n-gram equal plain decoding, ragged batches of 3 prompts."""
+    path = mtp_models[variant]
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)[0].tolist()} for n in (9, 5, 14)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
+    llm = LLM(path, dtype="float32", speculative_config=spec)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+def test_builtin_mtp_sampling_keeps_the_target_distribution(mtp_models, monkeypatch):
+    """T=1 through built-in MTP on a DSA target: the first token a speculative step commits
+    follows the target's exact distribution (chi-square, 800 seeded requests), and the same
+    test catches a verifier that checks against the drafter (negative control)."""
+    path = mtp_models["deepseek_v32"]
+    prompt = [5, 17, 99, 42]
+    exact = exact_second_token_probs(path, prompt)
+    params = [SamplingParams(temperature=1.0, max_tokens=4, seed=s, ignore_eos=True) for s in range(800)]
+    config = {"method": "mtp", "num_speculative_tokens": 2}
+
+    def second_tokens():
+        return [ids[1] for ids in generate_ids(path, [{"prompt_token_ids": prompt}] * len(params), params, config,
+                                               max_num_seqs=16)]
+
+    assert chi_square(second_tokens(), exact) < CHI2_999_DF7
+    from specdecode.speculative import speculator
+    from specdecode.speculative.verify.chain import verify
+
+    monkeypatch.setattr(speculator, "verify", verify_against_the_drafter(verify))
+    assert chi_square(second_tokens(), exact) > CHI2_999_DF7
+
+
+def test_mtp_without_mtp_layers_is_a_clear_error(deepseek_models):
+    from specdecode.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="has none"):
+        LLM(deepseek_models["deepseek_v3"], dtype="float32", speculative_config={"method": "mtp"})

@@ -78,9 +78,11 @@ def test_interrupted_and_resumed_equals_uninterrupted(tiny_corpus, tmp_path, mon
 
 def test_cli_defaults_are_the_config_defaults():
     parser = build_parser()
+    from specdecode.cli import _config_from_args
+
     args = parser.parse_args(["train-target"])
     defaults = PretrainConfig()
-    assert {f.name: getattr(args, f.name) for f in dataclasses.fields(PretrainConfig)} == dataclasses.asdict(defaults)
+    assert _config_from_args(PretrainConfig, args) == defaults
     # The shipped target (models/stdlib-code-22m) was built with these.
     assert (defaults.num_layers, defaults.max_steps, defaults.lr, defaults.warmup_steps) == (6, 1200, 1e-3, 50)
     args = parser.parse_args(["train-target", "--layers", "3", "--heads", "2", "--kv-heads", "1", "--out", "o",
@@ -96,6 +98,67 @@ def test_cli_help_explains_every_flag(capsys):
     for flag in ("--out", "--work-dir", "--layers", "--heads", "--kv-heads", "--max-steps", "--resume",
                  "--weight-decay", "--eval-batches"):
         assert flag in text
-    assert "(default: 1200)" in text
+    assert "llama: 1200; deepseek_v32: 900" in text
     for f in dataclasses.fields(PretrainConfig):
         assert f.metadata.get("help"), f"{f.name} has no help"
+
+
+def tiny_deepseek_config(tmp_path, name: str, **overrides):
+    from specdecode.train.deepseek_target import DeepSeekPretrainConfig
+
+    kw = dict(out_dir=tmp_path / name / "out", work_dir=tmp_path / name / "work", vocab_size=320, hidden_size=32,
+              intermediate_size=64, num_layers=4, num_heads=2, num_kv_heads=2, context=32, batch_size=2,
+              max_steps=6, warmup_steps=2, eval_batches=2, checkpoint_minutes=0.0, device="cpu", dtype="float32",
+              q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
+              num_experts=4, experts_per_token=2, moe_intermediate_size=16, index_topk=8, index_heads=2,
+              index_head_dim=16, indexer_warmup_steps=3)
+    return DeepSeekPretrainConfig(**{**kw, **overrides})
+
+
+def test_deepseek_recipe_trains_resumes_and_exports_a_loadable_model(tiny_corpus, tmp_path, monkeypatch):
+    """MLA + MoE + DSA + one MTP layer: losses fall, the indexer KL is trained, the export loads
+    through LLM with its MTP layer, and an interrupted run resumes bit for bit (including the
+    balancing bias and the dense-to-sparse switch at step 3)."""
+    from specdecode.models.loader import load_model
+
+    straight = tiny_deepseek_config(tmp_path, "straight")
+    report = train(straight)
+    for key in ("val_loss", "val_mtp_loss", "val_indexer_kl", "val_loss_dense_attention",
+                "val_loss_index_cache_1/2", "val_loss_index_cache_1/4", "adjacent_layer_topk_overlap"):
+        assert key in report, key
+    assert report["index_cache_patterns"] == {"1/2": "FSFS", "1/4": "FSSS"}
+    assert len(report["adjacent_layer_topk_overlap"]) == 3
+    model = load_model(straight.out_dir, torch.float32)
+    assert model.config.model_type == "deepseek_v32" and model.config.num_nextn_predict_layers == 1
+    assert len(model.model.layers) == 5
+    biases = [m.e_score_correction_bias for m in model.modules() if hasattr(m, "e_score_correction_bias")]
+    assert biases and any(b.abs().sum() > 0 for b in biases)  # balancing moved the routing bias
+
+    resumed = tiny_deepseek_config(tmp_path, "resumed")
+    resumed.work_dir.mkdir(parents=True)
+    for name in ("tokenizer", "tokens.npz"):
+        copy = shutil.copytree if (straight.work_dir / name).is_dir() else shutil.copy
+        copy(straight.work_dir / name, resumed.work_dir / name)
+    with monkeypatch.context() as m:
+        interrupt_after(m, 2)
+        with pytest.raises(Interrupted):
+            train(resumed)
+    resumed_report = train(resumed, resume=True)
+    assert resumed_report["val_loss"] == report["val_loss"]
+    assert resumed_report["val_mtp_loss"] == report["val_mtp_loss"]
+
+
+def test_train_target_arch_flags(tmp_path):
+    args = build_parser().parse_args(["train-target", "--arch", "deepseek_v32", "--index-topk", "64"])
+    from specdecode.cli import _config_from_args
+    from specdecode.train.deepseek_target import DeepSeekPretrainConfig
+
+    cfg = _config_from_args(DeepSeekPretrainConfig, args)
+    assert cfg.index_topk == 64 and cfg.hidden_size == DeepSeekPretrainConfig().hidden_size
+    llama = _config_from_args(PretrainConfig, build_parser().parse_args(["train-target"]))
+    assert llama == PretrainConfig()
+    from specdecode.errors import ConfigError
+
+    parsed = build_parser().parse_args(["train-target", "--index-topk", "64"])
+    with pytest.raises(ConfigError, match="--index-topk"):
+        parsed.func(parsed)

@@ -8,13 +8,17 @@ import sys
 from pathlib import Path
 
 
-def _add_config_flags(p, cls, flags: dict[str, str] | None = None) -> None:
+def _add_config_flags(p, cls, flags: dict[str, str] | None = None, variants: dict[str, type] | None = None) -> None:
     """One `--field-name` flag per field of the config dataclass `cls`, its default and help
     taken from the field (metadata "help" and "choices"): the dataclass is the one source of
     defaults. `flags` renames a field's flag (field -> flag name without dashes); bool fields
     are store_true, the others take the field's type (int, float, str, Path). A field without a
     default is a required flag. The fields `cls` inherits (train/common.py's TrainRunConfig,
-    the optimiser and run fields) come after its own, each group in declaration order."""
+    the optimiser and run fields) come after its own, each group in declaration order.
+
+    `variants` (name -> config class, `cls` the union of their fields): one parser for several
+    configs, e.g. train-target's --arch. Flags then default to unset (the chosen class fills in
+    its own default) and the help lists each variant's default."""
     import dataclasses
     import types
     import typing
@@ -28,7 +32,18 @@ def _add_config_flags(p, cls, flags: dict[str, str] | None = None) -> None:
             kind = next(a for a in typing.get_args(kind) if a is not type(None))  # Path | None -> Path
         help_text = field.metadata.get("help", "").replace("%", "%%")
         kwargs: dict = {"dest": field.name}
-        if field.default is dataclasses.MISSING:
+        if variants:
+            defaults = {name: next((f.default for f in dataclasses.fields(v) if f.name == field.name), None)
+                        for name, v in variants.items()}
+            owners = [name for name, v in variants.items() if field.name in {f.name for f in dataclasses.fields(v)}]
+            kwargs["default"] = argparse.SUPPRESS
+            if kind is not bool:
+                shown = sorted({str(defaults[n]) for n in owners})
+                help_text += (f" (default: {shown[0]})" if len(shown) == 1 else
+                              " (default: " + "; ".join(f"{n}: {defaults[n]}" for n in owners) + ")")
+            if len(owners) < len(variants):
+                help_text += f" [{', '.join(owners)} only]"
+        elif field.default is dataclasses.MISSING:
             kwargs["required"] = True
         else:
             kwargs["default"] = field.default
@@ -46,25 +61,36 @@ def _add_config_flags(p, cls, flags: dict[str, str] | None = None) -> None:
 
 
 def _config_from_args(cls, args):
-    """The config dataclass `cls` built from the flags `_add_config_flags` added."""
+    """The config dataclass `cls` built from the flags `_add_config_flags` added (flags left
+    unset under `variants` take `cls`'s own defaults)."""
     import dataclasses
 
-    return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls)})
+    return cls(**{field.name: getattr(args, field.name) for field in dataclasses.fields(cls) if hasattr(args, field.name)})
+
+
+def _target_archs() -> dict:
+    from specdecode.train.deepseek_target import DeepSeekPretrainConfig
+    from specdecode.train.pretrain import PretrainConfig
+
+    return {"llama": PretrainConfig, "deepseek_v32": DeepSeekPretrainConfig}
 
 
 def _add_train_target(sub) -> None:
-    from specdecode.train.pretrain import PretrainConfig
+    from specdecode.train.deepseek_target import DeepSeekPretrainConfig
 
     p = sub.add_parser(
         "train-target",
         help="pre-train the embedded default code model on the Python standard library",
-        description="Pre-train a Llama-architecture code model from scratch on this interpreter's "
-        "standard library (.py files), then export it in HF layout (bf16 safetensors). The defaults "
-        "are those that built the shipped models/stdlib-code-22m.",
+        description="Pre-train a code model from scratch on this interpreter's standard library (.py "
+        "files), then export it in HF layout (bf16 safetensors). --arch llama (default) is the shipped "
+        "models/stdlib-code-22m; --arch deepseek_v32 a DeepSeek-V3.2-style model (MLA, MoE, DSA indexer, "
+        "one jointly trained MTP layer), the shipped models/stdlib-code-21m-dsv32.",
     )
+    p.add_argument("--arch", choices=list(_target_archs()), default="llama",
+                   help="architecture and its recipe (default: llama)")
     # Flag names older than the generated ones, kept for the scripts and docs that use them.
-    _add_config_flags(p, PretrainConfig, {"out_dir": "out", "num_layers": "layers", "num_heads": "heads",
-                                          "num_kv_heads": "kv-heads"})
+    _add_config_flags(p, DeepSeekPretrainConfig, {"out_dir": "out", "num_layers": "layers", "num_heads": "heads",
+                                                  "num_kv_heads": "kv-heads"}, variants=_target_archs())
     p.add_argument("--resume", action="store_true", help="continue from WORK_DIR/checkpoint.pt")
     p.set_defaults(func=_run_train_target)
 
@@ -72,9 +98,17 @@ def _add_train_target(sub) -> None:
 def _run_train_target(args) -> int:
     import json
 
-    from specdecode.train.pretrain import PretrainConfig, train
+    import dataclasses
 
-    report = train(_config_from_args(PretrainConfig, args), resume=args.resume)
+    from specdecode.errors import ConfigError
+    from specdecode.train.pretrain import train
+
+    cls = _target_archs()[args.arch]
+    foreign = sorted(name for name in vars(args) if name in {f.name for f in dataclasses.fields(_target_archs()["deepseek_v32"])}
+                     and name not in {f.name for f in dataclasses.fields(cls)})
+    if foreign:
+        raise ConfigError(f"--arch {args.arch} has no option {', '.join('--' + n.replace('_', '-') for n in foreign)}")
+    report = train(_config_from_args(cls, args), resume=args.resume)
     print(json.dumps(report, indent=2))
     return 0
 

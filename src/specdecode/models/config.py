@@ -123,7 +123,11 @@ class ModelConfig:
         return self.index_topk > 0
 
     def is_moe_layer(self, layer: int) -> bool:
-        return self.n_routed_experts > 0 and self.mlp_layer_types is not None and self.mlp_layer_types[layer] == "sparse"
+        """MoE on the config's sparse layers; MTP layers (past the main stack) are MoE like DeepSeek-V3's."""
+        if self.n_routed_experts == 0:
+            return False
+        types = self.mlp_layer_types or ()
+        return layer >= len(types) or types[layer] == "sparse"
 
     def indexer_runs(self, layer: int) -> bool:
         """DSA layer `layer` computes its own top-k (IndexCache "full"); MTP layers always do."""

@@ -29,6 +29,11 @@ class SparseContext:
     index_cache: torch.Tensor | None = None  # [slots, max_len + 1, 1, index_head_dim] of the current layer
     selected: torch.Tensor | None = None  # [B, T, S] bool: keys the latest full layer chose
     record: list[torch.Tensor] | None = None  # when a list: every full layer appends its top-k indices [B, T, k]
+    # Training (train/deepseek_target.py): `dense` attends to every key while the indexer learns
+    # (V3.2's dense warm-up); `kl` collects each indexer's KL to its layer's attention.
+    dense: bool = False
+    kl: list[torch.Tensor] | None = None
+    kl_rows: int | None = None  # the KL over the first kl_rows sequences only (its cost is the layer's attention again)
 
 
 class Indexer(nn.Module):
@@ -55,20 +60,22 @@ class Indexer(nn.Module):
         """x [B, T, d] -> the indexer key of each token [B, T, 1, index_head_dim] (what the cache keeps)."""
         return self._rope(self.k_norm(self.wk(x))[:, :, None], cos, sin)
 
-    def select(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor,
-               cos: torch.Tensor, sin: torch.Tensor, record: list | None = None) -> torch.Tensor:
-        """Each query's top-k keys among those its mask row allows.
-
-        x [B, T, d], q_latent [B, T, q_lora_rank] (MLA's normed query latent), keys [B, S, D],
-        mask [B, T, S] bool -> selected [B, T, S] bool (a subset of mask)."""
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        """I(t, s): x [B, T, d], q_latent [B, T, q_lora_rank] (MLA's normed query latent), keys
+        [B, S, D] -> [B, T, S] float32 (unmasked)."""
         B, T, _ = x.shape
         q = self._rope(self.wq_b(q_latent).view(B, T, self.n_heads, self.head_dim), cos, sin)
         # Scores in float32 like the reference: [B, T, H, S], ReLU, then weighted over heads.
         scores = F.relu(torch.einsum("bthd,bsd->bths", q.float(), keys.float()) * self.head_dim ** -0.5)
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B, T, H]
-        index = torch.einsum("bth,bths->bts", weights, scores).masked_fill(~mask, float("-inf"))  # [B, T, S]
-        k = min(self.topk, index.shape[-1])
-        top = index.topk(k, dim=-1).indices  # [B, T, k]
+        return torch.einsum("bth,bths->bts", weights, scores)
+
+    def select(self, scores: torch.Tensor, mask: torch.Tensor, record: list | None = None) -> torch.Tensor:
+        """Each query's top-k keys among those its mask row allows: scores [B, T, S], mask
+        [B, T, S] bool -> selected [B, T, S] bool (a subset of mask)."""
+        index = scores.detach().masked_fill(~mask, float("-inf"))
+        top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices  # [B, T, k]
         if record is not None:
             record.append(top)
         return torch.zeros_like(mask).scatter_(-1, top, True) & mask

@@ -80,6 +80,7 @@ class MLAAttention(nn.Module):
         rows = torch.cat((self.kv_a_layernorm(c), self._rope(k_rot[:, :, None], cos, sin)[:, :, 0]), dim=-1)  # [B, T, latent + rope]
 
         mask = batch.attn_mask[:, 0] if batch is not None and batch.attn_mask is not None else None  # [B, T, S]
+        causal = mask is None  # no cache, no mask: plain causal attention over the new tokens
         if cache_k is not None:
             write_columns(cache_k, batch, rows[:, :, None])
             S = mask.shape[-1]
@@ -90,33 +91,65 @@ class MLAAttention(nn.Module):
                 rows = cache_k[batch.slot_ids, :S, 0]
         elif mask is None and self.sparse:  # training: DSA needs the causal mask explicitly
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None].expand(B, T, T)
+        index_scores = None
         if self.sparse and dsa is not None:
-            mask = self._select(x, q_latent, mask, cos, sin, batch, dsa)
+            selected, index_scores = self._select(x, q_latent, mask, cos, sin, batch, dsa)
+            if dsa.kl is not None and index_scores is not None:
+                n = dsa.kl_rows or B
+                kl_mask = mask[:n] if dsa.dense else selected[:n]
+                dsa.kl.append(self._indexer_kl(q_nope[:n], q_rot[:n], rows[:n], kl_mask, index_scores[:n]))
+            if not dsa.dense:
+                mask, causal = selected, False
+        attn_mask = None if causal else mask  # None: SDPA's causal kernel instead of an explicit mask
 
         if self.w_uk is not None:
-            out = self._absorbed(q_nope, q_rot, rows, mask)
+            out = self._absorbed(q_nope, q_rot, rows, attn_mask)
         else:
-            out = self._expanded(q_nope, q_rot, rows, mask)
+            out = self._expanded(q_nope, q_rot, rows, attn_mask)
         return self.o_proj(out.reshape(B, T, H * self.v_dim))
 
-    def _select(self, x, q_latent, mask, cos, sin, batch, dsa: SparseContext) -> torch.Tensor:
-        """The attention mask of a DSA layer: the full layer's top-k (computed here or shared) AND the mask."""
-        if self.runs_indexer:
-            keys = self.indexer.key(x, cos, sin)  # [B, T, 1, D]
-            if dsa.index_cache is not None:
-                from specdecode.models.llama import write_columns
+    def _select(self, x, q_latent, mask, cos, sin, batch, dsa: SparseContext):
+        """A DSA layer's keys: the full layer's top-k (computed here, or shared from the latest
+        full layer) AND the mask -> (selected [B, T, S] bool, this layer's index scores or None)."""
+        if not self.runs_indexer:
+            if dsa.selected is None:
+                raise RuntimeError("a shared DSA layer needs an earlier full layer's top-k (IndexCache pattern starts with S)")
+            return dsa.selected & mask, None
+        if dsa.kl is not None:  # training: the indexer learns from its KL loss alone, not the LM loss
+            x, q_latent = x.detach(), q_latent.detach()
+        keys = self.indexer.key(x, cos, sin)  # [B, T, 1, D]
+        if dsa.index_cache is not None:
+            from specdecode.models.llama import write_columns
 
-                write_columns(dsa.index_cache, batch, keys)
-                S = mask.shape[-1]
-                if batch.slot_range is not None:
-                    a, b = batch.slot_range
-                    keys = dsa.index_cache[a:b, :S]
-                else:
-                    keys = dsa.index_cache[batch.slot_ids, :S]
-            dsa.selected = self.indexer.select(x, q_latent, keys[:, :, 0], mask, cos, sin, dsa.record)
-        elif dsa.selected is None:
-            raise RuntimeError("a shared DSA layer needs an earlier full layer's top-k (IndexCache pattern starts with S)")
-        return dsa.selected & mask
+            write_columns(dsa.index_cache, batch, keys)
+            S = mask.shape[-1]
+            if batch.slot_range is not None:
+                a, b = batch.slot_range
+                keys = dsa.index_cache[a:b, :S]
+            else:
+                keys = dsa.index_cache[batch.slot_ids, :S]
+        scores = self.indexer.scores(x, q_latent, keys[:, :, 0], cos, sin)
+        dsa.selected = self.indexer.select(scores, mask, dsa.record)
+        return dsa.selected, scores
+
+    @torch.no_grad()
+    def _attention_distribution(self, q_nope, q_rot, rows, mask) -> torch.Tensor:
+        """The layer's attention over keys, summed over heads and L1-normalised: [B, T, S] (the indexer's target)."""
+        B, T, H, _ = q_nope.shape
+        S = rows.shape[1]
+        c, k_rot = rows.float().split([self.latent_dim, self.rope_dim], dim=-1)
+        k_nope = F.linear(c, self.kv_b_proj.weight.float()).view(B, S, H, -1)[..., : self.nope_dim]
+        logits = (torch.einsum("bthn,bshn->bhts", q_nope.float(), k_nope)
+                  + torch.einsum("bthr,bsr->bhts", q_rot.float(), k_rot)) * self.scale
+        return logits.masked_fill(~mask[:, None], float("-inf")).softmax(-1).mean(1)
+
+    def _indexer_kl(self, q_nope, q_rot, rows, mask, index_scores) -> torch.Tensor:
+        """KL(attention || softmax(index scores)) over the keys attended to (V3.2's indexer loss),
+        mean per query, in float32 (under bf16 autocast the KL came out negative)."""
+        with torch.autocast(q_nope.device.type, enabled=False):
+            target = self._attention_distribution(q_nope.detach(), q_rot.detach(), rows.detach(), mask)
+            log_q = index_scores.float().masked_fill(~mask, float("-inf")).log_softmax(-1).masked_fill(~mask, 0.0)
+            return (torch.xlogy(target, target) - target * log_q).sum(-1).mean()
 
     def _absorbed(self, q_nope, q_rot, rows, mask) -> torch.Tensor:
         """Multi-query attention over the latent rows: [B, T, H, *] queries -> [B, T, H, v]."""

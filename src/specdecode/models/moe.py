@@ -26,6 +26,9 @@ class TopkRouter(nn.Module):
         self.norm_topk_prob, self.scaling = config.norm_topk_prob, config.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+        # Training: DeepSeek-V3's auxiliary-loss-free balancing moves the bias by this much per
+        # step towards the mean load (0 = frozen, always when serving).
+        self.bias_update_rate = 0.0
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, d] -> weights [N, k] float32, experts [N, k] long, router logits [N, E] float32."""
@@ -38,6 +41,10 @@ class TopkRouter(nn.Module):
         group_mask = torch.zeros_like(group_scores).scatter_(1, groups, 1.0).bool()  # [N, G]
         choice = choice.masked_fill(~group_mask[:, :, None].expand(N, G, E // G).reshape(N, E), float("-inf"))
         experts = choice.topk(self.top_k, dim=-1, sorted=False).indices
+        if self.training and self.bias_update_rate:
+            with torch.no_grad():
+                load = torch.bincount(experts.flatten(), minlength=E).float()
+                self.e_score_correction_bias += self.bias_update_rate * torch.sign(load.mean() - load)
         weights = scores.gather(1, experts)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)

@@ -35,11 +35,13 @@ class LoopConfig(Protocol):
 def run_loop(cfg: LoopConfig, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              loss_fn: Callable[[torch.Tensor], torch.Tensor], tokens: np.ndarray, window_length: int, *,
              checkpointer: Checkpointer, data_gen: torch.Generator, step: int, device: torch.device,
-             autocast_dtype: torch.dtype, desc: str, params: Iterable[torch.nn.Parameter] | None = None) -> tuple[int, list[float]]:
+             autocast_dtype: torch.dtype, desc: str, params: Iterable[torch.nn.Parameter] | None = None,
+             on_step: Callable[[int], None] | None = None) -> tuple[int, list[float]]:
     """Train `model` from `step` to `cfg.max_steps`; returns (the last step, this run's per-step losses).
 
     `loss_fn(window)` takes a [batch_size, window_length] token tensor on `device`; `params`
-    are the clipped parameters (default: all of the model's)."""
+    are the clipped parameters (default: all of the model's); `on_step(step)` runs before each
+    step (a phase that depends on the step, e.g. DSA's dense warm-up)."""
     params = list(model.parameters() if params is None else params)
     tokens_per_step = cfg.batch_size * cfg.context
     losses: list[float] = []
@@ -51,6 +53,8 @@ def run_loop(cfg: LoopConfig, model: torch.nn.Module, optimizer: torch.optim.Opt
         for group in optimizer.param_groups:
             group["lr"] = lr
         window = sample_windows(tokens, cfg.batch_size, window_length, data_gen).to(device)
+        if on_step is not None:
+            on_step(step)
         with torch.autocast(device.type, dtype=autocast_dtype):
             loss = loss_fn(window)
         optimizer.zero_grad(set_to_none=True)

@@ -64,6 +64,10 @@ class PretrainConfig(TrainRunConfig):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
+    def objective(self, model: LlamaForCausalLM):
+        """The training loss of one window (the DeepSeek recipe adds MTP and indexer losses)."""
+        return lambda window: lm_loss(model, window)
+
     def model_config(self, eos_id: int) -> ModelConfig:
         return ModelConfig(
             vocab_size=self.vocab_size,
@@ -128,6 +132,7 @@ def train(cfg: PretrainConfig, resume: bool = False) -> dict:
     torch.manual_seed(cfg.seed)
     model = LlamaForCausalLM(mcfg).to(device)
     _init_weights(model, mcfg)
+    cfg.objective(model)  # ties the MTP head before the optimiser sees the parameters
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW(
@@ -140,9 +145,11 @@ def train(cfg: PretrainConfig, resume: bool = False) -> dict:
     if step:
         log.info("resumed from step %d", step)
     tokens_per_step = cfg.batch_size * cfg.context
-    step, losses = run_loop(cfg, model, opt, lambda window: lm_loss(model, window), train_tokens, cfg.context + 1,
+    objective = cfg.objective(model)
+    step, losses = run_loop(cfg, model, opt, objective, train_tokens, cfg.context + 1,
                             checkpointer=ckpt, data_gen=data_gen, step=step, device=device,
-                            autocast_dtype=autocast_dtype, desc="train-target")
+                            autocast_dtype=autocast_dtype, desc="train-target",
+                            on_step=getattr(objective, "set_step", None))
     wall = ckpt.elapsed()
     val_loss = evaluate(model, val_tokens, cfg, device, autocast_dtype)
     report = {
@@ -156,6 +163,8 @@ def train(cfg: PretrainConfig, resume: bool = False) -> dict:
         "parameters": model.num_parameters(),
         "final_train_loss": float(np.mean(losses[-50:])) if losses else None,
     }
+    if hasattr(objective, "evaluate"):  # the DeepSeek recipe: MTP, DSA and IndexCache measurements
+        report.update(objective.evaluate(val_tokens, device, autocast_dtype))
     export_checkpoint(model, mcfg, cfg.work_dir / "tokenizer", cfg.out_dir, report)
     return report
 

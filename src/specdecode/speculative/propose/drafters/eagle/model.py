@@ -191,6 +191,41 @@ class Eagle3Drafter(EagleDrafter):
         return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
 
 
+class BuiltinMtpDrafter(EagleDrafter):
+    """The target's own MTP layers (DeepSeek-V3's `num_nextn_predict_layers`, model.layers[L:]),
+    as an MTP drafter: the feature is the target's final-normed hidden state, each layer's
+    enorm / hnorm / eh_proj / block / shared_head as the checkpoint defines them (`MTPLayer`),
+    the target's embedding. Drafting step s uses layer s mod n (n > 1: cycling; n = 1: the layer
+    chains on its own output); every layer consumes every position, so each layer's cache
+    (DSA: and its indexer-key cache, its own top-k at every step) is complete."""
+
+    variant = "mtp"
+
+    def __init__(self, target: LlamaForCausalLM):
+        config = target.config
+        super().__init__(EagleConfig("mtp", config))
+        self.rotary = target.model.rotary_emb
+        self.mtp_layers = list(target.model.layers[config.num_hidden_layers:])  # a list: the target owns them
+        self.layer_ids = range(config.num_hidden_layers, config.num_hidden_layers + len(self.mtp_layers))
+
+    def forward(self, embeds, features, positions, batch=None, cache=None, step: int = 0):
+        """embeds, features [B, T, d] -> the output of layer step mod n [B, T, d]."""
+        from specdecode.models.dsa import SparseContext
+
+        cos, sin = self.rotary(positions, features.dtype)
+        outputs = []
+        for j, layer in enumerate(self.mtp_layers):
+            dsa = SparseContext(index_cache=cache.index_k[j]) if self.cfg.layer.has_dsa else None
+            outputs.append(layer(layer.block_input(embeds, features), cos, sin, batch, cache.k[j], cache.v[j], dsa=dsa))
+        self.current = step % len(outputs)  # whose shared head `logits` applies to this output
+        return outputs[self.current]
+
+    def logits(self, out, target):
+        return self.mtp_layers[self.current].logits(out)
+
+    current = 0
+
+
 VARIANTS: dict[str, type[EagleDrafter]] = {cls.variant: cls for cls in (Eagle1Drafter, Eagle3Drafter, MtpDrafter)}
 
 

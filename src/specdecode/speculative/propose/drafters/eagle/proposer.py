@@ -3,6 +3,8 @@ features of newly committed positions, then draft a chain or an EAGLE-2 dynamic 
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
@@ -14,11 +16,14 @@ from specdecode.models.llama import KVCache
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
+from specdecode.speculative.propose.drafters.eagle.model import BuiltinMtpDrafter
 from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
+
+log = logging.getLogger(__name__)
 
 
 class EagleProposer(TargetFeatureBuffer):
@@ -30,18 +35,9 @@ class EagleProposer(TargetFeatureBuffer):
 
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
-        path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-{self.variant}")
-        self.drafter = prepare_for_inference(load_drafter(path, ctx.dtype, ctx.device), path, ctx.dtype, ctx.device,
-                                             drafter_quantization(ctx, path))
-        if self.drafter.cfg.variant != self.variant:
-            raise ConfigError(f"speculative_config.model {str(path)!r} is a {self.drafter.cfg.variant!r} drafter, "
-                              f"not {self.variant!r}")
+        self.drafter = self.load_drafter(ctx)
         cfg = self.drafter.cfg
         self.hidden_taps = self.drafter.feature_taps(ctx.target.config, cfg.aux_layers)
-        d2t = self.drafter.draft_to_target  # eagle3: the target id of each draft id
-        check_fits_target(ctx, path, hidden_size=cfg.layer.hidden_size, vocab_size=cfg.layer.vocab_size,
-                          taps={"aux_hidden_state_layer_ids": self.hidden_taps},
-                          token_ids=None if d2t is None else {"d2t": [int(d2t.min()), int(d2t.max())]})
         self.target = ctx.target
         self.grouping = ctx.grouping
         self.vocab_size = ctx.target.config.vocab_size
@@ -51,8 +47,26 @@ class EagleProposer(TargetFeatureBuffer):
         self.max_tree_depth = self.depth if self.topk > 1 else 0
         # Drafting writes past the committed columns: k chain steps, or topk nodes per tree level.
         extra = self.depth * max(1, self.topk) + 2
-        self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + extra, ctx.dtype, ctx.device)
+        self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + extra, ctx.dtype, ctx.device,
+                                layer_ids=getattr(self.drafter, "layer_ids", None))
         self.drafter_forward = CompiledForward(self.drafter.forward, ctx.compile, self.variant)
+        self.draft_step = 0  # the drafting step being computed (built-in MTP picks its layer by it)
+
+    def load_drafter(self, ctx: ProposerContext):
+        """The drafter checkpoint speculative_config.model names (or the default model's), checked
+        against the target and made ready to serve."""
+        path = resolve_drafter_dir(ctx, f"{DEFAULT_MODEL_NAME}-{self.variant}")
+        drafter = prepare_for_inference(load_drafter(path, ctx.dtype, ctx.device), path, ctx.dtype, ctx.device,
+                                        drafter_quantization(ctx, path))
+        if drafter.cfg.variant != self.variant:
+            raise ConfigError(f"speculative_config.model {str(path)!r} is a {drafter.cfg.variant!r} drafter, "
+                              f"not {self.variant!r}")
+        cfg = drafter.cfg
+        d2t = drafter.draft_to_target  # eagle3: the target id of each draft id
+        check_fits_target(ctx, path, hidden_size=cfg.layer.hidden_size, vocab_size=cfg.layer.vocab_size,
+                          taps={"aux_hidden_state_layer_ids": drafter.feature_taps(ctx.target.config, cfg.aux_layers)},
+                          token_ids=None if d2t is None else {"d2t": [int(d2t.min()), int(d2t.max())]})
+        return drafter
 
     def target_features(self, result) -> torch.Tensor:
         return self.drafter.raw_features(result.hidden, result.taps, self.drafter.cfg.aux_layers)
@@ -73,7 +87,10 @@ class EagleProposer(TargetFeatureBuffer):
         feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
         for b, f in enumerate(features):
             feats[b, : f.shape[0]] = f
-        return self.drafter_forward(T, batch, self.target.model.embed_tokens(input_ids), feats, positions,
+        embeds = self.target.model.embed_tokens(input_ids)
+        if isinstance(self.drafter, BuiltinMtpDrafter):
+            return self.drafter_forward(T, batch, embeds, feats, positions, cache=self.kv_cache, step=self.draft_step)
+        return self.drafter_forward(T, batch, embeds, feats, positions,
                                     cache_k=self.kv_cache.k[0], cache_v=self.kv_cache.v[0])
 
     def _forward_last(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
@@ -104,10 +121,12 @@ class EagleProposer(TargetFeatureBuffer):
     # ---- EAGLE-2 trees (`propose_dynamic_tree` calls these) --------------------------------------
 
     def tree_root(self, seqs, active: list[int]) -> torch.Tensor:
+        self.draft_step = 0
         first = self._catch_up(seqs, active)
         return self._forward_last([first[b][0] for b in active], [first[b][1] for b in active])  # [A, d]
 
     def tree_level(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
+        self.draft_step += 1
         return self._forward(entries, features)[:, : features[0].shape[0]]  # [A, K, d]
 
     @torch.inference_mode()
@@ -123,6 +142,7 @@ class EagleProposer(TargetFeatureBuffer):
         for step in range(k):
             if not active:
                 break
+            self.draft_step = step
             out = self._forward_last([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
             chosen = chain.add_step(active, step, self.vocab_logits(out), sampling)
             row = {b: i for i, b in enumerate(active)}
@@ -147,4 +167,18 @@ class EagleThreeProposer(EagleProposer):
 
 @register("mtp")
 class MtpProposer(EagleProposer):
+    """MTP: with no `model`, a target that has MTP layers of its own (DeepSeek-V3 style) drafts
+    with them; otherwise a separately trained MTP drafter (the default model's shipped one)."""
+
     variant = "mtp"
+
+    def load_drafter(self, ctx: ProposerContext):
+        if ctx.config.model is None and ctx.target.config.num_nextn_predict_layers:
+            log.info("mtp: drafting with the target's own %d MTP layer(s)", ctx.target.config.num_nextn_predict_layers)
+            return BuiltinMtpDrafter(ctx.target)
+        if ctx.config.model is None and ctx.target.config.is_mla:
+            raise ConfigError("method 'mtp' without a model drafts with the target's own MTP layers, and this "
+                              "checkpoint has none (num_nextn_predict_layers is 0, or its model.layers."
+                              f"{ctx.target.config.num_hidden_layers}.* weights are absent); name a trained MTP "
+                              "drafter in speculative_config.model")
+        return super().load_drafter(ctx)
