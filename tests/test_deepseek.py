@@ -236,3 +236,53 @@ def test_mtp_without_mtp_layers_is_a_clear_error(deepseek_models):
 
     with pytest.raises(ConfigError, match="has none"):
         LLM(deepseek_models["deepseek_v3"], dtype="float32", speculative_config={"method": "mtp"})
+
+
+def test_index_cache_search_and_serving_its_pattern(deepseek_models, tmp_path, capsys):
+    """The greedy search walks from all-full to the requested number of full layers, each step
+    the cheapest; its pattern then serves through hf_overrides, equal to plain (and speculative)
+    decoding under the same pattern."""
+    import json
+
+    from specdecode.cli import main
+    from specdecode.models.index_cache import calibration_loss, greedy_search, set_pattern
+
+    path = deepseek_models["deepseek_v32"]
+    model = load_model(path, torch.float32)
+    windows = _ids(33, seed=4, batch=3)
+    steps = greedy_search(model, windows, num_full=1)
+    assert [s.pattern for s in steps][0] == "FFF" and steps[-1].pattern == "FSS" and len(steps) == 3
+    # step 1 is the better of the two single-layer choices
+    set_pattern(model, "FSF")
+    a = calibration_loss(model, windows)
+    set_pattern(model, "FFS")
+    b = calibration_loss(model, windows)
+    assert steps[1].loss == pytest.approx(min(a, b))
+    text = tmp_path / "calib.txt"
+    text.write_text("def add(a, b):\n    return a + b\n" * 40)
+    assert main(["index-cache-search", "--model", str(path), "--num-full", "2", "--calibration-file", str(text),
+                 "--windows", "2", "--context", "24"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    pattern = result["hf_overrides"]["index_topk_pattern"]
+    assert pattern.count("F") == 2 and pattern[0] == "F"
+
+    prompts = [{"prompt_token_ids": _ids(10, seed=9)[0].tolist()}]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    overrides = {"index_topk_pattern": "FSS"}
+    plain = LLM(path, dtype="float32", hf_overrides=overrides)
+    assert plain.model.config.indexer_types == ("full", "shared", "shared")
+    want = plain.generate(prompts, params)[0].token_ids
+    spec = LLM(path, dtype="float32", hf_overrides=overrides,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    assert spec.generate(prompts, params)[0].token_ids == want
+
+
+def test_deepseek_refusals(deepseek_models):
+    from specdecode.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="MLA"):
+        LLM(deepseek_models["deepseek_v3"], dtype="float32", exact=True)
+    with pytest.raises(ConfigError, match="hf_overrides"):
+        LLM(deepseek_models["deepseek_v3"], dtype="float32", hf_overrides="FSS")
+    with pytest.raises(UnsupportedModelError, match="first DSA layer"):
+        LLM(deepseek_models["deepseek_v32"], dtype="float32", hf_overrides={"index_topk_pattern": "SFF"})

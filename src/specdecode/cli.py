@@ -1,4 +1,4 @@
-"""Command line: `specdecode generate|serve|bench|train-target|train-drafter|export`."""
+"""Command line: `specdecode generate|serve|bench|profile|train-target|train-drafter|index-cache-search|export`."""
 
 from __future__ import annotations
 
@@ -113,6 +113,18 @@ def _run_train_target(args) -> int:
     return 0
 
 
+def _json_object(value: str) -> dict:
+    import json
+
+    try:
+        data = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return data
+
+
 def _on_off(value: str) -> bool:
     from specdecode.errors import ConfigError
 
@@ -131,6 +143,9 @@ def _add_model_args(p, speculative: bool = True, exact: bool = True) -> None:
                    "of 32), int4-g64, int4-g128; quantised at load and cached on disk (default: none, dtype weights). "
                    "With the default model, a drafter matched to this scheme is used where one is shipped; the "
                    "drafter's own precision: speculative_config draft_quantization")
+    p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
+                   help='config.json keys to replace at load, as vLLM\'s, e.g. \'{"index_topk_pattern": "FSSS"}\' '
+                   "(IndexCache on DeepSeek-V3.2 / GLM-5 targets; default: none)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the target's (and a draft model's) forward: faster steps after compiling a few "
                    "graphs once (tens of seconds on a CPU, logged; default: --no-compile)")
@@ -171,7 +186,7 @@ def _run_generate(args) -> int:
     from specdecode.defaults import cli_speculative_config
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              compile=args.compile, exact=args.exact,
+              compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides,
               speculative_config=cli_speculative_config(args.speculative_config, args.model), max_num_seqs=1)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -257,7 +272,7 @@ def _run_bench(args) -> int:
                       concurrency=[int(c) for c in args.concurrency.split(",")],
                       temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
                       device=args.device, quantization=args.quantization, compile=args.compile,
-                      exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
+                      hf_overrides=args.hf_overrides, exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
                       out_dir=Path(args.out),
                       repeats=args.repeats,
                       peers=[p for p in args.peers.split(",") if p])
@@ -314,9 +329,64 @@ def _run_serve(args) -> int:
 
     serve(args.host, args.port, model=args.model, speculative_config=cli_speculative_config(args.speculative_config, args.model),
           dtype=args.dtype, device=args.device, quantization=args.quantization, compile=args.compile,
-          exact=args.exact, max_num_seqs=args.max_num_seqs,
+          exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
           max_model_len=args.max_model_len, api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
           max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
+    return 0
+
+
+def _add_index_cache_search(sub) -> None:
+    p = sub.add_parser(
+        "index-cache-search", help="choose which DSA layers share top-k (IndexCache), on calibration text",
+        description="Training-free IndexCache search (arXiv 2603.12201) for a DeepSeek-V3.2 / GLM-5 style model: "
+        "from every layer full, greedily make shared the layer whose sharing raises the calibration LM loss "
+        "least, down to --num-full full layers. Prints each step's pattern and loss, and the --hf-overrides "
+        "that serves the result.")
+    p.add_argument("--model", required=True, help="DSA checkpoint directory")
+    p.add_argument("--num-full", type=int, default=None,
+                   help="full layers to keep (default: a quarter of the layers, at least 1)")
+    p.add_argument("--calibration-file", default=None,
+                   help="text to calibrate on (default: the held-out files of the stdlib corpus)")
+    p.add_argument("--windows", type=int, default=8, help="calibration windows (default 8)")
+    p.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="default float32")
+    p.set_defaults(func=_run_index_cache_search)
+
+
+def _run_index_cache_search(args) -> int:
+    import json
+
+    import numpy as np
+    import torch
+
+    from specdecode.errors import ConfigError
+    from specdecode.models.index_cache import greedy_search
+    from specdecode.models.loader import load_model
+    from specdecode.tokenizer import Tokenizer
+
+    model = load_model(args.model, getattr(torch, args.dtype))
+    if not model.config.has_dsa:
+        raise ConfigError(f"{args.model} has no DSA indexer (model_type {model.config.model_type}); IndexCache "
+                          "applies to deepseek_v32 and glm_moe_dsa models")
+    tok = Tokenizer(Path(args.model))
+    if args.calibration_file:
+        text = Path(args.calibration_file).read_text(errors="replace")
+    else:
+        from specdecode.train import corpus
+
+        text = "\n".join(f.text for f in corpus.split_files(corpus.iter_stdlib_files())[1])
+    ids = np.asarray(tok.encode(text), dtype=np.int64)
+    n = args.context + 1
+    if len(ids) < n:
+        raise ConfigError(f"the calibration text has {len(ids)} tokens; a window needs {n}")
+    starts = np.linspace(0, len(ids) - n, args.windows).astype(np.int64)
+    windows = torch.from_numpy(np.stack([ids[s: s + n] for s in starts]))
+    L = model.config.num_hidden_layers
+    steps = greedy_search(model, windows, args.num_full or max(1, L // 4))
+    for step in steps:
+        print(f"{step.pattern}  loss {step.loss:.4f}  (+{100 * (step.loss / steps[0].loss - 1):.2f}%)")
+    print(json.dumps({"steps": [{"pattern": s.pattern, "loss": s.loss} for s in steps],
+                      "hf_overrides": {"index_topk_pattern": steps[-1].pattern}}))
     return 0
 
 
@@ -336,7 +406,7 @@ def _run_profile(args) -> int:
     from specdecode.speculative.policy.cost_model import load_or_profile, plot
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              compile=args.compile, exact=args.exact, max_num_seqs=args.max_num_seqs)
+              compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs)
     model = load_or_profile(llm.runner, llm.config.model, args.max_num_seqs, args.max_tokens_per_seq, thorough=True)
     widths = sorted(next(iter(model.table.values())))
     print("ms per target forward; rows: batch size, columns: new tokens per sequence")
@@ -394,6 +464,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_train_target(sub)
+    _add_index_cache_search(sub)
     _add_train_drafter(sub)
     _add_bench(sub)
     _add_serve(sub)

@@ -112,6 +112,7 @@ class EngineConfig:
     quantization: str | None = None  # weight-only: None, "int8", "int4" / "int4-g32|64|128" (models/quant.py)
     compile: bool = False  # torch.compile the target's (and a draft model's) forward; see README "Speed"
     exact: bool = False  # exact mode: invariant kernels + position-keyed seeded sampling; see README "Exact mode"
+    hf_overrides: dict | None = None  # config.json keys replaced at load (vLLM's --hf-overrides), e.g. index_topk_pattern
 
     def __post_init__(self) -> None:
         from specdecode.models.quant import QuantScheme
@@ -121,6 +122,8 @@ class EngineConfig:
             raise ConfigError(f"compile must be True or False, got {_short_repr(self.compile)}")
         if not isinstance(self.exact, bool):
             raise ConfigError(f"exact must be True or False, got {_short_repr(self.exact)}")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ConfigError(f"hf_overrides must be a JSON object of config.json keys, got {_short_repr(self.hf_overrides)}")
         if self.exact and self.compile:
             raise ConfigError("exact=True runs eager forwards and cannot be combined with compile=True: compiled "
                               "graphs are specialised by width, and their fused kernels are not width-invariant")

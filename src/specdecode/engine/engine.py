@@ -101,6 +101,8 @@ class LLM:
     exact: exact mode (CPU): the target's forwards give bitwise the same logits for a token alone, in a
     verify forward or in any batch, and a request with a `seed` samples with noise keyed by (seed,
     position, token), so speculation reproduces plain decoding token for token (README "Exact mode").
+    hf_overrides: config.json keys to replace at load, as vLLM's --hf-overrides (DeepSeek-V3.2 / GLM-5:
+    IndexCache's index_topk_pattern "FSSS..." or index_topk_freq; README "DeepSeek family").
     """
 
     def __init__(
@@ -115,19 +117,23 @@ class LLM:
         quantization: str | None = None,
         compile: bool = False,
         exact: bool = False,
+        hf_overrides: dict | None = None,
     ):
         model_dir = Path(model) if model is not None else default_model_dir()
         if not model_dir.is_dir():
             raise ModelLoadError(f"model directory {model_dir} does not exist")
         self.config = EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, quantization=quantization,
-                                   compile=compile, exact=exact)
+                                   compile=compile, exact=exact, hf_overrides=hf_overrides)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype()
         self.tokenizer = Tokenizer(model_dir)
         self.quantization = self.config.quant_scheme()
-        self.model = load_model(model_dir, self.dtype, self.device, self.quantization)
+        self.model = load_model(model_dir, self.dtype, self.device, self.quantization, hf_overrides)
         self.exact = exact
+        if exact and self.model.config.is_mla:
+            raise ConfigError("exact=True covers standard attention; this model uses MLA (DeepSeek family), which has "
+                              "no invariant kernel yet")
         if exact:
             _prepare_exact(self.model, self.dtype, self.device)
         self.model_config = self.model.config

@@ -198,7 +198,8 @@ class ModelConfig:
         return cls(**kwargs)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """config.json of an HF checkpoint folder; `overrides` replace its keys (vLLM's hf_overrides)."""
         config_path = Path(path) / "config.json"
         if not config_path.is_file():
             raise ModelLoadError(f"{config_path} not found: a model directory needs config.json (HF layout)")
@@ -206,7 +207,7 @@ class ModelConfig:
             hf = json.loads(config_path.read_text())
         except json.JSONDecodeError as e:
             raise ModelLoadError(f"{config_path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(hf)
+        return cls.from_hf_dict({**hf, **(overrides or {})})
 
     def to_hf_dict(self) -> dict[str, Any]:
         """HF config.json for this model (LlamaForCausalLM when model_type is llama)."""

@@ -57,13 +57,14 @@ def _is_router(name: str) -> bool:
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quantization: QuantScheme | None = None) -> LlamaForCausalLM:
+               quantization: QuantScheme | None = None, overrides: dict | None = None) -> LlamaForCausalLM:
     """The checkpoint as a frozen inference model (`prepare_for_inference`: projections fused,
-    linear layers quantised when `quantization` is set, else packed for bf16/fp16 on CPU)."""
+    linear layers quantised when `quantization` is set, else packed for bf16/fp16 on CPU).
+    `overrides` replace config.json keys (e.g. IndexCache's index_topk_pattern)."""
     path = Path(path)
     if not path.is_dir():
         raise ModelLoadError(f"model directory {path} does not exist")
-    config = ModelConfig.from_dir(path)
+    config = ModelConfig.from_dir(path, overrides)
     state = read_safetensors_dir(path)
     if config.num_nextn_predict_layers and not any(
             k.startswith(f"model.layers.{config.num_hidden_layers}.") for k in state):

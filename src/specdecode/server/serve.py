@@ -15,7 +15,8 @@ log = logging.getLogger(__name__)
 
 
 def create_server(model: str | None = None, speculative_config=None, dtype: str = "auto", device: str = "auto",
-                  quantization: str | None = None, compile: bool = False, exact: bool = False, max_num_seqs: int = 16, max_model_len: int | None = None, api_key: str | None = None,
+                  quantization: str | None = None, compile: bool = False, exact: bool = False,
+                  hf_overrides: dict | None = None, max_num_seqs: int = 16, max_model_len: int | None = None, api_key: str | None = None,
                   served_model_name: str | None = None, log_interval: float = 10.0,
                   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_waiting: int = 256,
                   public_metrics: bool = False):
@@ -24,7 +25,7 @@ def create_server(model: str | None = None, speculative_config=None, dtype: str 
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ConfigError(f"{key} must be an integer >= {least}, got {value!r}")
     llm = LLM(model=model, dtype=dtype, device=device, speculative_config=speculative_config, quantization=quantization,
-              compile=compile, exact=exact,
+              compile=compile, exact=exact, hf_overrides=hf_overrides,
               max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     name = served_model_name or Path(llm.config.model).name
     engine = AsyncEngine(llm, ServerMetrics(name), log_interval=log_interval, max_waiting=max_waiting)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from specdecode.models.config import ModelConfig, indexer_types_from
 from specdecode.models.dsa import SparseContext
+from specdecode.models.index_cache import get_pattern, set_pattern
 from specdecode.models.llama import LlamaForCausalLM
 from specdecode.train.common import option
 from specdecode.train.pretrain import PretrainConfig
@@ -151,10 +152,8 @@ def _set_indexer_types(model: LlamaForCausalLM, types: tuple[str, ...] | None) -
     do); returns the previous pattern. None leaves it unchanged."""
     if types is None:
         return None
-    previous = tuple("full" if layer.self_attn.runs_indexer else "shared"
-                     for layer in model.model.layers[: model.config.num_hidden_layers])
-    for layer, kind in zip(model.model.layers, types):
-        layer.self_attn.runs_indexer = kind == "full"
+    previous = get_pattern(model)
+    set_pattern(model, types)
     return previous
 
 
