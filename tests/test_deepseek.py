@@ -286,3 +286,15 @@ def test_deepseek_refusals(deepseek_models):
         LLM(deepseek_models["deepseek_v3"], dtype="float32", hf_overrides="FSS")
     with pytest.raises(UnsupportedModelError, match="first DSA layer"):
         LLM(deepseek_models["deepseek_v32"], dtype="float32", hf_overrides={"index_topk_pattern": "SFF"})
+
+
+def test_unsupported_paths_say_so(deepseek_models, tmp_path):
+    from specdecode.errors import ConfigError
+    from specdecode.interop.gguf import export_gguf
+    from specdecode.train.drafter import DrafterTrainConfig, train_drafter
+
+    with pytest.raises(ConfigError, match="DeepSeek-family"):
+        export_gguf(deepseek_models["deepseek_v3"], tmp_path / "m.gguf")
+    with pytest.raises(ConfigError, match="own MTP layers"):
+        train_drafter(DrafterTrainConfig(method="eagle3", target=deepseek_models["deepseek_v3"],
+                                         out_dir=tmp_path / "o", work_dir=tmp_path / "w", device="cpu"))

@@ -45,6 +45,8 @@ def _rope_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 def _check_supported(cfg: ModelConfig) -> None:
     problems = []
+    if cfg.is_mla or cfg.n_routed_experts:
+        problems.append("DeepSeek-family blocks (MLA / MoE / DSA)")
     if cfg.qkv_bias or cfg.o_bias:
         problems.append("attention biases")
     if cfg.qk_norm:

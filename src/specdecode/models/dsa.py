@@ -28,6 +28,7 @@ class SparseContext:
 
     index_cache: torch.Tensor | None = None  # [slots, max_len + 1, 1, index_head_dim] of the current layer
     selected: torch.Tensor | None = None  # [B, T, S] bool: keys the latest full layer chose
+    top: torch.Tensor | None = None  # [B, T, k] their indices (may name masked keys where fewer than k are visible)
     record: list[torch.Tensor] | None = None  # when a list: every full layer appends its top-k indices [B, T, k]
     # Training (train/deepseek_target.py): `dense` attends to every key while the indexer learns
     # (V3.2's dense warm-up); `kl` collects each indexer's KL to its layer's attention.
@@ -71,11 +72,12 @@ class Indexer(nn.Module):
         weights = self.weights_proj(x).float() * self.n_heads ** -0.5  # [B, T, H]
         return torch.einsum("bth,bths->bts", weights, scores)
 
-    def select(self, scores: torch.Tensor, mask: torch.Tensor, record: list | None = None) -> torch.Tensor:
+    def select(self, scores: torch.Tensor, mask: torch.Tensor, record: list | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """Each query's top-k keys among those its mask row allows: scores [B, T, S], mask
-        [B, T, S] bool -> selected [B, T, S] bool (a subset of mask)."""
+        [B, T, S] bool -> (selected [B, T, S] bool, a subset of mask; indices [B, T, k])."""
         index = scores.detach().masked_fill(~mask, float("-inf"))
         top = index.topk(min(self.topk, index.shape[-1]), dim=-1).indices  # [B, T, k]
         if record is not None:
             record.append(top)
-        return torch.zeros_like(mask).scatter_(-1, top, True) & mask
+        return torch.zeros_like(mask).scatter_(-1, top, True) & mask, top

@@ -10,7 +10,10 @@ latent c and the shared RoPE key k_rot (not per-head keys and values). Two equal
   cached rows themselves (keys [c ; k_rot], values c), then W_uv maps each head's output
   latent to v_head_dim. Cheaper for decode and verify, which read S cached rows per new token.
 
-DSA layers AND the causal/tree mask with the indexer's top-k selection (`dsa.py`).
+DSA layers AND the causal/tree mask with the indexer's top-k selection (`dsa.py`). Decode and
+verify forwards (few new tokens, more cached keys than k) gather each query's k selected rows
+and attend to those alone, so attention reads k rows, not S; prefill and training attend
+through the masked dense kernel.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from torch import nn
 
 from specdecode.models.config import ModelConfig
 from specdecode.models.dsa import Indexer, SparseContext
+
+GATHER_MAX_QUERIES = 16  # DSA forwards of at most this many new tokens gather their selected keys (decode, verify)
 
 
 class MLAAttention(nn.Module):
@@ -100,6 +105,10 @@ class MLAAttention(nn.Module):
                 dsa.kl.append(self._indexer_kl(q_nope[:n], q_rot[:n], rows[:n], kl_mask, index_scores[:n]))
             if not dsa.dense:
                 mask, causal = selected, False
+                if self.w_uk is not None and T <= GATHER_MAX_QUERIES and dsa.top.shape[-1] < mask.shape[-1]:
+                    # Decode / verify with more keys than k: attend to the k selected rows only.
+                    out = self._absorbed_selected(q_nope, q_rot, rows, dsa.top, mask)
+                    return self.o_proj(out.reshape(B, T, H * self.v_dim))
         attn_mask = None if causal else mask  # None: SDPA's causal kernel instead of an explicit mask
 
         if self.w_uk is not None:
@@ -129,7 +138,7 @@ class MLAAttention(nn.Module):
             else:
                 keys = dsa.index_cache[batch.slot_ids, :S]
         scores = self.indexer.scores(x, q_latent, keys[:, :, 0], cos, sin)
-        dsa.selected = self.indexer.select(scores, mask, dsa.record)
+        dsa.selected, dsa.top = self.indexer.select(scores, mask, dsa.record)
         return dsa.selected, scores
 
     @torch.no_grad()
@@ -168,6 +177,21 @@ class MLAAttention(nn.Module):
                 is_causal=True, scale=self.scale)
         out = out.reshape(B, H, T, self.latent_dim)
         return torch.einsum("bhtc,hvc->bthv", out, self.w_uv)  # [B, T, H, v]
+
+    def _absorbed_selected(self, q_nope, q_rot, rows, top, mask) -> torch.Tensor:
+        """DSA's sparse attention proper: each query reads only its k selected latent rows.
+        top [B, T, k] key indices (those its mask forbids, where fewer than k are visible, are
+        masked again here) -> [B, T, H, v]. Cost per query: k rows, not S."""
+        B, T, H, _ = q_nope.shape
+        k, width = top.shape[-1], rows.shape[-1]
+        q_c = torch.einsum("bthn,hnc->bthc", q_nope, self.w_uk)
+        query = torch.cat((q_c, q_rot), dim=-1)  # [B, T, H, latent + rope]
+        keys = rows.gather(1, top.reshape(B, T * k, 1).expand(B, T * k, width)).view(B, T, k, width)
+        valid = mask.gather(-1, top)  # [B, T, k]
+        scores = torch.einsum("bthd,btkd->bthk", query, keys) * self.scale
+        probs = scores.masked_fill(~valid[:, :, None], float("-inf")).softmax(-1)
+        out = torch.einsum("bthk,btkc->bthc", probs, keys[..., : self.latent_dim])  # [B, T, H, latent]
+        return torch.einsum("bthc,hvc->bthv", out, self.w_uv)
 
     def _expanded(self, q_nope, q_rot, rows, mask) -> torch.Tensor:
         """Per-head keys and values from the latent (training and the reference's own way)."""

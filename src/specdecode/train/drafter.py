@@ -20,6 +20,7 @@ import torch
 
 from specdecode.defaults import default_model_dir
 from specdecode.device import resolve_device
+from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
 from specdecode.models.quant import QuantScheme
 from specdecode.tokenizer import Tokenizer
@@ -175,6 +176,10 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     # The drafter is initialised from the full-precision target's layers; what it learns to predict
     # (features, soft labels) comes from the target as served, quantised when --target-quantization says so.
     full_target = load_model(cfg.target, torch.float32, device)
+    if full_target.config.is_mla:
+        raise ConfigError(f"{cfg.target} is a DeepSeek-family target (MLA): its drafter is its own MTP layers "
+                          "(speculative_config {\"method\": \"mtp\"} with no model); training separate drafters "
+                          "for these targets is not supported yet")
     target_scheme = QuantScheme.parse(cfg.target_quantization)
     target = full_target if target_scheme is None else load_model(cfg.target, torch.float32, device, target_scheme)
     train_tokens, val_tokens = tokenize_corpus(cfg.target / "tokenizer.json", cfg.work_dir / "tokens.npz")
