@@ -75,9 +75,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     expected = set(model.state_dict().keys())
+    # Tied heads are not stored: the LM head, and an MTP layer's shared head when it is absent.
+    tied = {"lm_head.weight"} | {f"model.layers.{i}.shared_head.head.weight" for i in
+                                 range(config.num_hidden_layers, len(model.model.layers))
+                                 if f"model.layers.{i}.shared_head.head.weight" not in state}
     if config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-        expected.discard("lm_head.weight")
+        for name in tied:
+            state.pop(name, None)
+            expected.discard(name)
     missing = sorted(expected - state.keys())
     if missing:
         raise ModelLoadError(f"{path} lacks {len(missing)} weights the config needs, e.g. {missing[:3]}")
@@ -90,6 +95,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, device: str
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+        for i in range(config.num_hidden_layers, len(model.model.layers)):
+            if f"model.layers.{i}.shared_head.head.weight" in tied:
+                model.model.layers[i].shared_head.head.weight = model.model.embed_tokens.weight
     # Non-persistent buffers (RoPE frequencies) are still on meta: rebuild them for real.
     model.model.rotary_emb = type(model.model.rotary_emb)(config).to(device)
     return prepare_for_inference(model, path, dtype, device, quantization)

@@ -30,35 +30,35 @@ from specdecode.train.pretrain import PretrainConfig
 
 @dataclasses.dataclass(slots=True, kw_only=True)
 class DeepSeekPretrainConfig(PretrainConfig):
-    """Sized like the default model (21M parameters, ~16M active per token) for about 70 minutes
-    on two CPU cores (~4.5 s a step; 1.8M tokens, a fifth of the default model's budget); 8
-    layers so that IndexCache patterns of 1/2, 1/4 and 1/8 full layers exist."""
+    """11M parameters (~8M active per token), half the default model, so that its weights fit the
+    repository's budget (22 MB in bf16), trained for under an hour on two CPU cores; 8 layers so
+    that IndexCache patterns of 1/2, 1/4 and 1/8 full layers exist."""
 
-    out_dir: Path = option(Path("models/stdlib-code-21m-dsv32"), "export directory (HF layout)")
+    out_dir: Path = option(Path("models/stdlib-code-11m-dsv32"), "export directory (HF layout)")
     work_dir: Path = option(Path("runs/train-target-dsv32"), "checkpoints, tokenizer and token cache (not committed)")
-    hidden_size: int = option(384, "model width")
-    intermediate_size: int = option(1024, "SwiGLU width of the dense layers")
+    hidden_size: int = option(256, "model width")
+    intermediate_size: int = option(768, "SwiGLU width of the dense layers")
     num_layers: int = option(8, "decoder layers (plus the MTP layer)")
-    num_heads: int = option(6, "attention heads")
-    num_kv_heads: int = option(6, "(MLA: every head has its own keys and values; must equal --heads)")
+    num_heads: int = option(4, "attention heads")
+    num_kv_heads: int = option(4, "(MLA: every head has its own keys and values; must equal --heads)")
     context: int = option(512, "training window = model context length")
-    batch_size: int = option(4, "windows of CONTEXT tokens per step")
-    max_steps: int = option(900, "optimizer steps (the cosine schedule spans them)")
-    q_lora_rank: int = option(192, "MLA query latent width")
-    kv_lora_rank: int = option(128, "MLA KV latent width (what the cache keeps per token, plus the RoPE key)")
-    qk_nope_head_dim: int = option(48, "MLA per-head query/key width without RoPE")
+    batch_size: int = option(8, "windows of CONTEXT tokens per step")
+    max_steps: int = option(800, "optimizer steps (the cosine schedule spans them)")
+    q_lora_rank: int = option(128, "MLA query latent width")
+    kv_lora_rank: int = option(96, "MLA KV latent width (what the cache keeps per token, plus the RoPE key)")
+    qk_nope_head_dim: int = option(32, "MLA per-head query/key width without RoPE")
     qk_rope_head_dim: int = option(32, "MLA RoPE width (shared key)")
-    v_head_dim: int = option(64, "MLA per-head value width")
+    v_head_dim: int = option(48, "MLA per-head value width")
     num_experts: int = option(4, "routed experts per MoE layer")
     experts_per_token: int = option(2, "routed experts each token uses")
-    moe_intermediate_size: int = option(256, "SwiGLU width of each expert (and of the shared expert)")
+    moe_intermediate_size: int = option(192, "SwiGLU width of each expert (and of the shared expert)")
     shared_experts: int = option(1, "shared experts per MoE layer")
     first_dense_layers: int = option(1, "leading layers with a dense MLP (first_k_dense_replace)")
     bias_update_rate: float = option(1e-3, "auxiliary-loss-free balancing: bias step per training step")
     index_topk: int = option(128, "keys each query attends to (DSA)")
     index_heads: int = option(4, "indexer heads")
     index_head_dim: int = option(64, "indexer head width")
-    indexer_warmup_steps: int = option(150, "dense steps while the indexer learns, before sparse attention")
+    indexer_warmup_steps: int = option(120, "dense steps while the indexer learns, before sparse attention")
     mtp_layers: int = option(1, "MTP layers trained jointly (DeepSeek-V3: 1)")
     mtp_loss_weight: float = option(0.3, "weight of the MTP loss (DeepSeek-V3: 0.3, later 0.1)")
     indexer_kl_rows: int = option(2, "sequences of each batch the indexer's KL is computed on (it costs a second attention)")

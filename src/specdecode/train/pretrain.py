@@ -182,7 +182,10 @@ def _init_weights(model: LlamaForCausalLM, mcfg: ModelConfig) -> None:
 def export_checkpoint(model: LlamaForCausalLM, mcfg: ModelConfig, tokenizer_dir: Path, out_dir: Path, report: dict) -> None:
     """HF layout: config.json, model.safetensors (bf16; a tied LM head is not stored), tokenizer
     files, generation_config.json, training_report.json (models/checkpoint.py writes them)."""
-    state = {k: v for k, v in model.state_dict().items() if not (mcfg.tie_word_embeddings and k == "lm_head.weight")}
+    # Tied heads (the LM head; an MTP layer's shared head) are not stored: the loader ties them back.
+    embed = model.model.embed_tokens.weight
+    state = {k: v for k, v in model.state_dict().items()
+             if not (mcfg.tie_word_embeddings and k.endswith("head.weight") and v.data_ptr() == embed.data_ptr())}
     pad_id = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).token_to_id(PAD_TOKEN)
     generation = {"eos_token_id": mcfg.eos_token_id, "pad_token_id": pad_id, "do_sample": False}
     save_checkpoint(state, mcfg.to_hf_dict(), out_dir, tokenizer_dir, report,
