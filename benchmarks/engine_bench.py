@@ -80,7 +80,7 @@ def bench_transformers(path: Path, dtype: str, batch: int, prompt_len: int, new_
 
 def forward_curve(path: Path, dtype: str, widths: list[int], context: int = 128, repeats: int = 20) -> dict:
     from specdecode.engine.ragged import ForwardEntry
-from specdecode.engine.runner import Runner
+    from specdecode.engine.runner import Runner
     from specdecode.models.loader import load_model
 
     model = load_model(path, getattr(torch, dtype))

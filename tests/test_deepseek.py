@@ -298,3 +298,33 @@ def test_unsupported_paths_say_so(deepseek_models, tmp_path):
     with pytest.raises(ConfigError, match="own MTP layers"):
         train_drafter(DrafterTrainConfig(method="eagle3", target=deepseek_models["deepseek_v3"],
                                          out_dir=tmp_path / "o", work_dir=tmp_path / "w", device="cpu"))
+
+
+def test_server_and_bench_run_a_deepseek_target_with_builtin_mtp(tmp_path):
+    """Through the OpenAI API (official client) and the bench harness: built-in MTP on a DSA
+    target, IndexCache pattern from --hf-overrides; outputs equal offline plain decoding."""
+    import json
+
+    from specdecode.bench.harness import BenchConfig, run_bench
+    from specdecode.bench.methods import parse_methods
+    from specdecode.server.serve import BackgroundServer
+
+    path = make_deepseek_model(tmp_path / "m", "deepseek_v32", mtp_layers=1, max_position_embeddings=2048)
+    overrides = {"index_topk_pattern": "FSF"}
+    ref = LLM(path, dtype="float32", hf_overrides=overrides).generate(
+        "def fib", SamplingParams(temperature=0, max_tokens=12))[0]
+    srv = BackgroundServer(model=str(path), dtype="float32", served_model_name="ds", hf_overrides=overrides,
+                           speculative_config=json.dumps({"method": "mtp", "num_speculative_tokens": 2}))
+    try:
+        import openai
+
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        out = client.completions.create(model="ds", prompt="def fib", max_tokens=12, temperature=0)
+        assert out.choices[0].text == ref.text
+    finally:
+        srv.stop()
+    cfg = BenchConfig(methods=parse_methods("none,mtp:k=2"), model=str(path), num_prompts=2, max_tokens=8,
+                      dtype="float32", hf_overrides=overrides, out_dir=tmp_path / "bench", repeats=1)
+    runs = run_bench(cfg)["runs"]
+    mtp = [r for r in runs if r["method"].startswith("mtp")]
+    assert mtp and all(r["outputs_equal_to_plain"] == "2/2" for r in mtp)

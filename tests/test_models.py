@@ -99,8 +99,8 @@ def test_unsupported_architecture_and_tokenizer_mismatch(native_model, tmp_path)
     (odd / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(UnsupportedModelError, match="model_type 'gpt2'.*accepted"):
         LLM(odd)
-    (odd / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
-    with pytest.raises(UnsupportedModelError, match="yarn"):
+    (odd / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}}))
+    with pytest.raises(UnsupportedModelError, match="longrope"):
         LLM(odd)
     # A model whose vocabulary is smaller than its tokenizer's.
     from helpers import make_native_model

@@ -98,7 +98,7 @@ def test_cli_help_explains_every_flag(capsys):
     for flag in ("--out", "--work-dir", "--layers", "--heads", "--kv-heads", "--max-steps", "--resume",
                  "--weight-decay", "--eval-batches"):
         assert flag in text
-    assert "llama: 1200; deepseek_v32: 900" in text
+    assert "llama: 1200; deepseek_v32: 800" in text
     for f in dataclasses.fields(PretrainConfig):
         assert f.metadata.get("help"), f"{f.name} has no help"
 

@@ -134,7 +134,7 @@ def _on_off(value: str) -> bool:
 
 
 def _add_model_args(p, speculative: bool = True, exact: bool = True) -> None:
-    p.add_argument("--model", default=None, help="HF checkpoint directory (Llama/Mistral/Qwen2/Qwen3); default: the embedded model")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (Llama, Mistral, Qwen2, Qwen3, DeepSeek-V3, DeepSeek-V3.2, GLM-5 glm_moe_dsa); default: the embedded model")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="weights/activations dtype; auto = the measured faster one for the device (see README)")
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")

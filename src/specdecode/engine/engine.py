@@ -89,7 +89,7 @@ class RequestOutput:
 class LLM:
     """Offline engine: `LLM(model=None).generate(prompts, SamplingParams(...))`.
 
-    model: an HF checkpoint directory (Llama / Mistral / Qwen2 / Qwen3); None = the
+    model: an HF checkpoint directory (Llama / Mistral / Qwen2 / Qwen3 / DeepSeek-V3 / V3.2 / GLM-5); None = the
     embedded default model. speculative_config: a dict or vLLM-style JSON string (see README).
     quantization: weight-only "int8" or "int4" (groups of 32; "int4-g64", "int4-g128") for the
     target and its drafter, quantised at load time and cached on disk; None = dtype weights. With

@@ -31,7 +31,7 @@ GATHER_MAX_QUERIES = 16  # DSA forwards of at most this many new tokens gather t
 class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        from specdecode.models.llama import RMSNorm, yarn_softmax_scale
+        from specdecode.models.layers import RMSNorm, yarn_softmax_scale
 
         d, h = config.hidden_size, config.num_attention_heads
         self.num_heads, self.nope_dim, self.rope_dim = h, config.qk_nope_head_dim, config.head_dim
@@ -63,14 +63,14 @@ class MLAAttention(nn.Module):
         self.w_uk, self.w_uv = w[:, : self.nope_dim].clone(), w[:, self.nope_dim:].clone()
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        from specdecode.models.llama import apply_rope, apply_rope_interleaved
+        from specdecode.models.layers import apply_rope, apply_rope_interleaved
 
         return apply_rope_interleaved(x, cos, sin) if self.rope_interleave else apply_rope(x, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache_k: torch.Tensor | None,
                 cache_v: torch.Tensor | None = None, dsa: SparseContext | None = None) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d]. cache_k [slots, max_len + 1, 1, latent + rope] (cache_v unused)."""
-        from specdecode.models.llama import write_columns
+        from specdecode.models.layers import write_columns
 
         B, T, _ = x.shape
         H = self.num_heads
@@ -128,7 +128,7 @@ class MLAAttention(nn.Module):
             x, q_latent = x.detach(), q_latent.detach()
         keys = self.indexer.key(x, cos, sin)  # [B, T, 1, D]
         if dsa.index_cache is not None:
-            from specdecode.models.llama import write_columns
+            from specdecode.models.layers import write_columns
 
             write_columns(dsa.index_cache, batch, keys)
             S = mask.shape[-1]

@@ -54,7 +54,7 @@ class TopkRouter(nn.Module):
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        from specdecode.models.llama import MLP
+        from specdecode.models.layers import MLP
 
         self.gate = TopkRouter(config)
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
