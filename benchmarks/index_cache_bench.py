@@ -156,6 +156,21 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"chunk": args.chunk, "threads": torch.get_num_threads(), "dtype": str(dtype),
                                     "results": results}, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(results, args.chunk) + "\n")
+    print(markdown(results, args.chunk))
+
+
+def markdown(results: list[dict], chunk: int) -> str:
+    lines = [f"| context | layers (F = full) | decode ms (range) | decode speedup | {chunk}-token prefill chunk ms (range) "
+             "| prefill speedup | indexer share (decode / prefill) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        share = (f"{r['indexer_share_decode']:.0%} / {r['indexer_share_prefill']:.0%}"
+                 if "indexer_share_decode" in r else "")
+        lines.append(f"| {r['depth']} | {r['pattern']} `{r['layers']}` | {r['decode_ms']:.1f} "
+                     f"({r['decode_ms_range'][0]:.1f}-{r['decode_ms_range'][1]:.1f}) | {r['decode_speedup']:.2f}x | "
+                     f"{r['prefill_chunk_ms']:.0f} ({r['prefill_chunk_ms_range'][0]:.0f}-{r['prefill_chunk_ms_range'][1]:.0f}) | "
+                     f"{r['prefill_speedup']:.2f}x | {share} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
