@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.models.config import ModelConfig
+from specdecode.models.layers import apply_rope, apply_rope_interleaved
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,8 +52,6 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(config.hidden_size, self.n_heads, bias=False)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        from specdecode.models.layers import apply_rope, apply_rope_interleaved
-
         rot, rest = x.split([self.rope_dim, self.head_dim - self.rope_dim], dim=-1)
         rot = apply_rope_interleaved(rot, cos, sin) if self.rope_interleave else apply_rope(rot, cos, sin)
         return torch.cat((rot, rest), dim=-1)

@@ -160,6 +160,15 @@ def write_columns(cache: torch.Tensor, batch: AttentionBatch, values: torch.Tens
     cache[batch.slot_ids[:, None], batch.write_indices] = values.to(cache.dtype)  # no-op cast when dtypes match
 
 
+def read_columns(cache: torch.Tensor, batch: AttentionBatch, num_keys: int) -> torch.Tensor:
+    """Cache columns [0, num_keys) of each sequence's slot: [B, S, heads, width] (a view, no
+    gather, when the slots are contiguous rows)."""
+    if batch.slot_range is not None:
+        a, b = batch.slot_range
+        return cache[a:b, :num_keys]
+    return cache[batch.slot_ids, :num_keys]
+
+
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, batch: AttentionBatch, k: torch.Tensor, v: torch.Tensor) -> None:
     """Store k, v [B, T, kv_heads, head_dim] at each sequence's slot and write columns."""
     write_columns(cache_k, batch, k)

@@ -24,7 +24,7 @@ from torch import nn
 from specdecode.models.config import ModelConfig
 from specdecode.models.dsa import SparseContext
 from specdecode.models.layers import (MLP, AttentionBatch, RMSNorm, RotaryEmbedding, apply_rope,  # noqa: F401 (re-exported)
-                                      apply_rope_interleaved, write_columns, write_kv)
+                                      apply_rope_interleaved, read_columns, write_columns, write_kv)
 from specdecode.models.mla import MLAAttention
 from specdecode.models.moe import MoE
 
@@ -188,11 +188,7 @@ class Attention(nn.Module):
         if cache_k is not None:
             write_kv(cache_k, cache_v, batch, k, v)
             S = mask.shape[-1] if mask is not None else batch.num_keys  # a size, not an int: compiled graphs stay general
-            if batch.slot_range is not None:
-                a, b = batch.slot_range
-                k, v = cache_k[a:b, :S], cache_v[a:b, :S]  # views, no copy
-            else:
-                k, v = cache_k[batch.slot_ids, :S], cache_v[batch.slot_ids, :S]
+            k, v = read_columns(cache_k, batch, S), read_columns(cache_v, batch, S)
         group = self.num_heads // self.num_kv_heads
         if mask is not None and group > 1:
             # GQA with an explicit mask (every cached forward): the `group` query heads that share

@@ -24,6 +24,8 @@ from torch import nn
 
 from specdecode.models.config import ModelConfig
 from specdecode.models.dsa import Indexer, SparseContext
+from specdecode.models.layers import (RMSNorm, apply_rope, apply_rope_interleaved, read_columns, write_columns,
+                                      yarn_softmax_scale)
 
 GATHER_MAX_QUERIES = 16  # DSA forwards of at most this many new tokens gather their selected keys (decode, verify)
 
@@ -31,8 +33,6 @@ GATHER_MAX_QUERIES = 16  # DSA forwards of at most this many new tokens gather t
 class MLAAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        from specdecode.models.layers import RMSNorm, yarn_softmax_scale
-
         d, h = config.hidden_size, config.num_attention_heads
         self.num_heads, self.nope_dim, self.rope_dim = h, config.qk_nope_head_dim, config.head_dim
         self.v_dim, self.latent_dim = config.v_head_dim, config.kv_lora_rank
@@ -63,15 +63,11 @@ class MLAAttention(nn.Module):
         self.w_uk, self.w_uv = w[:, : self.nope_dim].clone(), w[:, self.nope_dim:].clone()
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        from specdecode.models.layers import apply_rope, apply_rope_interleaved
-
         return apply_rope_interleaved(x, cos, sin) if self.rope_interleave else apply_rope(x, cos, sin)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch, cache_k: torch.Tensor | None,
                 cache_v: torch.Tensor | None = None, dsa: SparseContext | None = None) -> torch.Tensor:
         """x [B, T, d] -> [B, T, d]. cache_k [slots, max_len + 1, 1, latent + rope] (cache_v unused)."""
-        from specdecode.models.layers import write_columns
-
         B, T, _ = x.shape
         H = self.num_heads
         if self.q_lora_rank is None:
@@ -88,12 +84,7 @@ class MLAAttention(nn.Module):
         causal = mask is None  # no cache, no mask: plain causal attention over the new tokens
         if cache_k is not None:
             write_columns(cache_k, batch, rows[:, :, None])
-            S = mask.shape[-1]
-            if batch.slot_range is not None:
-                a, b = batch.slot_range
-                rows = cache_k[a:b, :S, 0]  # [B, S, latent + rope], a view
-            else:
-                rows = cache_k[batch.slot_ids, :S, 0]
+            rows = read_columns(cache_k, batch, mask.shape[-1])[:, :, 0]  # [B, S, latent + rope]
         elif mask is None and self.sparse:  # training: DSA needs the causal mask explicitly
             mask = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()[None].expand(B, T, T)
         index_scores = None
@@ -128,15 +119,8 @@ class MLAAttention(nn.Module):
             x, q_latent = x.detach(), q_latent.detach()
         keys = self.indexer.key(x, cos, sin)  # [B, T, 1, D]
         if dsa.index_cache is not None:
-            from specdecode.models.layers import write_columns
-
             write_columns(dsa.index_cache, batch, keys)
-            S = mask.shape[-1]
-            if batch.slot_range is not None:
-                a, b = batch.slot_range
-                keys = dsa.index_cache[a:b, :S]
-            else:
-                keys = dsa.index_cache[batch.slot_ids, :S]
+            keys = read_columns(dsa.index_cache, batch, mask.shape[-1])  # [B, S, 1, D]
         scores = self.indexer.scores(x, q_latent, keys[:, :, 0], cos, sin)
         dsa.selected, dsa.top = self.indexer.select(scores, mask, dsa.record)
         return dsa.selected, scores

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from specdecode.models.config import ModelConfig
+from specdecode.models.layers import MLP
 
 
 class TopkRouter(nn.Module):
@@ -54,8 +55,6 @@ class TopkRouter(nn.Module):
 class MoE(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
-        from specdecode.models.layers import MLP
-
         self.gate = TopkRouter(config)
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(config.n_routed_experts))
         self.shared_experts = (MLP(config, config.moe_intermediate_size * config.n_shared_experts)
