@@ -328,3 +328,18 @@ def test_server_and_bench_run_a_deepseek_target_with_builtin_mtp(tmp_path):
     runs = run_bench(cfg)["runs"]
     mtp = [r for r in runs if r["method"].startswith("mtp")]
     assert mtp and all(r["outputs_equal_to_plain"] == "2/2" for r in mtp)
+
+
+@pytest.mark.parametrize("spec", [{"method": "draft_model", "num_speculative_tokens": 3},
+                                  {"method": "draft_model", "num_speculative_tokens": 3, "verify_pruning": "dcut"}],
+                         ids=["draft_model", "draft_model-dcut"])
+def test_draft_model_on_a_dsa_target_is_lossless(mtp_models, native_drafter, spec):
+    """A separate draft model (same tokenizer) against an MLA + MoE + DSA target: greedy equal to plain."""
+    path = mtp_models["deepseek_v32"]
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)[0].tolist()} for n in (9, 5, 14)]
+    params = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
+    outs = LLM(path, dtype="float32", speculative_config={**spec, "model": str(native_drafter)}).generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    if "verify_pruning" not in spec:  # D-Cut's decision to draft at all depends on measured step times
+        assert sum(o.metrics.num_draft_tokens for o in outs) > 0
