@@ -384,7 +384,7 @@ def _run_index_cache_search(args) -> int:
     L = model.config.num_hidden_layers
     steps = greedy_search(model, windows, args.num_full or max(1, L // 4))
     for step in steps:
-        print(f"{step.pattern}  loss {step.loss:.4f}  (+{100 * (step.loss / steps[0].loss - 1):.2f}%)")
+        print(f"{step.pattern}  loss {step.loss:.4f}  ({100 * (step.loss / steps[0].loss - 1):+.2f}%)")
     print(json.dumps({"steps": [{"pattern": s.pattern, "loss": s.loss} for s in steps],
                       "hf_overrides": {"index_topk_pattern": steps[-1].pattern}}))
     return 0
