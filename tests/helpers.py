@@ -42,6 +42,15 @@ def generate_ids(model: Path, prompts, params, speculative_config=None, max_num_
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 
+def hf_model(path: Path, eager: bool = False):
+    """The transformers reference for a checkpoint, float32, eval mode (`eager` attention where
+    the SDPA path would drop an explicit mask detail, as for DSA)."""
+    import transformers
+
+    kwargs = {"attn_implementation": "eager"} if eager else {}
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **kwargs).eval()
+
+
 def make_tokenizer(out: Path, vocab_size: int = VOCAB) -> None:
     from specdecode.train.corpus import SourceFile
     from specdecode.train.tokenizer_train import save_tokenizer, train_tokenizer

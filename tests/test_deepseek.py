@@ -10,7 +10,7 @@ from specdecode.errors import UnsupportedModelError
 from specdecode.models.config import ModelConfig, indexer_types_from
 from specdecode.models.loader import load_model
 
-from helpers import (CHI2_999_DF7, DEEPSEEK, chi_square, exact_second_token_probs, generate_ids,
+from helpers import (CHI2_999_DF7, DEEPSEEK, chi_square, exact_second_token_probs, generate_ids, hf_model,
                      make_deepseek_model, verify_against_the_drafter)
 
 VARIANTS = list(DEEPSEEK)
@@ -23,10 +23,7 @@ def deepseek_models(tmp_path_factory) -> dict:
 
 
 def _hf(path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                             attn_implementation="eager").eval()
+    return hf_model(path, eager=True)
 
 
 def _ids(n: int, seed: int = 1, batch: int = 1) -> torch.Tensor:

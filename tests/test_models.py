@@ -10,14 +10,13 @@ from specdecode.engine.ragged import ForwardEntry
 from specdecode.engine.runner import Runner
 from specdecode.errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
 from specdecode.models.loader import load_model
+from helpers import hf_model
 
 FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "llama-tied", "llama3-rope"]
 
 
 def _hf(path):
-    import transformers
-
-    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return hf_model(path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -32,6 +32,7 @@ from torch import nn
 
 from specdecode.errors import ConfigError
 from specdecode.models.config import ModelConfig
+from specdecode.models.dsa import SparseContext
 from specdecode.models.llama import DecoderLayer, LlamaForCausalLM, RMSNorm, RotaryEmbedding, row_linear
 
 
@@ -98,6 +99,10 @@ class EagleDrafter(nn.Module):
 
     def inputs(self, embeds: torch.Tensor, features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return embeds, features
+
+    def cache_arguments(self, cache, step: int) -> dict:
+        """How `forward` reads the proposer's KVCache at drafting step `step`: its one layer's K and V."""
+        return {"cache_k": cache.k[0], "cache_v": cache.v[0]}
 
     def logits(self, out: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
         """o [.., d] -> logits over the drafter's vocabulary (eagle3: the draft vocabulary)."""
@@ -208,10 +213,11 @@ class BuiltinMtpDrafter(EagleDrafter):
         self.mtp_layers = list(target.model.layers[config.num_hidden_layers:])  # a list: the target owns them
         self.layer_ids = range(config.num_hidden_layers, config.num_hidden_layers + len(self.mtp_layers))
 
+    def cache_arguments(self, cache, step: int) -> dict:
+        return {"cache": cache, "step": step}  # every MTP layer's cache; the step picks the drafting layer
+
     def forward(self, embeds, features, positions, batch=None, cache=None, step: int = 0):
         """embeds, features [B, T, d] -> the output of layer step mod n [B, T, d]."""
-        from specdecode.models.dsa import SparseContext
-
         cos, sin = self.rotary(positions, features.dtype)
         outputs = []
         for j, layer in enumerate(self.mtp_layers):

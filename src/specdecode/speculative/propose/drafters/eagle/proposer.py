@@ -87,11 +87,8 @@ class EagleProposer(TargetFeatureBuffer):
         feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
         for b, f in enumerate(features):
             feats[b, : f.shape[0]] = f
-        embeds = self.target.model.embed_tokens(input_ids)
-        if isinstance(self.drafter, BuiltinMtpDrafter):
-            return self.drafter_forward(T, batch, embeds, feats, positions, cache=self.kv_cache, step=self.draft_step)
-        return self.drafter_forward(T, batch, embeds, feats, positions,
-                                    cache_k=self.kv_cache.k[0], cache_v=self.kv_cache.v[0])
+        return self.drafter_forward(T, batch, self.target.model.embed_tokens(input_ids), feats, positions,
+                                    **self.drafter.cache_arguments(self.kv_cache, self.draft_step))
 
     def _forward_last(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
         """o at each entry's last token [B, d]."""
