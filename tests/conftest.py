@@ -86,3 +86,17 @@ def work_dir(tmp_path):
     np.savez(work / "tokens.npz", train=rng.integers(3, 320, 4000).astype(np.uint16),
              val=rng.integers(3, 320, 1000).astype(np.uint16))
     return work
+
+
+@pytest.fixture()
+def spec_config(request, native_drafter, trained_drafters):
+    """speculative_config of one (method, shape) case."""
+    method, shape = request.param
+    from helpers import CASES, K
+
+    config = {"method": method, "num_speculative_tokens": K, **CASES[method][shape]}
+    if method == "draft_model":
+        config["model"] = str(native_drafter)  # a different random model: mostly rejected drafts
+    elif method in trained_drafters:
+        config["model"] = str(trained_drafters[method])
+    return config

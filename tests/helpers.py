@@ -170,11 +170,11 @@ def verify_against_the_drafter(verify):
     """A broken verifier for negative controls: it checks drafts against the drafter's own
     distribution instead of the target's, so every draft is accepted and the output follows
     the drafter. A distribution test must catch it."""
-    def broken(draft_ids, num_draft, draft_probs, target_logits, sampling):
+    def broken(draft_ids, num_draft, draft_probs, target_logits, sampling, rows=None):
         wrong = target_logits.clone()
         temperature = sampling.temperature.clamp(min=1e-6)[:, None, None]
         wrong[:, : draft_probs.shape[1]] = draft_probs.clamp(min=1e-30).log() * temperature  # process_logits divides by T
-        return verify(draft_ids, num_draft, draft_probs, wrong, sampling)
+        return verify(draft_ids, num_draft, draft_probs, wrong, sampling, rows)
 
     return broken
 
@@ -254,3 +254,30 @@ def make_deepseek_model(out: Path, variant: str = "deepseek_v3", seed: int = 0, 
         save_file(state, str(out / "model.safetensors"))
     make_tokenizer(out)
     return out
+
+
+# ---- conformance cases: every registered proposer, chain and tree (fixture `spec_config` in conftest) ----
+
+K = 3
+TREE = {"tree_topk": 3, "tree_num_nodes": 10}
+# method -> {shape: speculative_config keys beyond method / model / k}
+CASES: dict[str, dict[str, dict]] = {
+    "ngram": {"chain": {"prompt_lookup_min": 1, "prompt_lookup_max": 3}},
+    "draft_model": {"chain": {}},
+    "medusa": {"chain": {}, "static tree": TREE},
+    "eagle": {"chain": {}, "dynamic tree": TREE},
+    "eagle3": {"chain": {}, "dynamic tree": TREE},
+    "mtp": {"chain": {}, "dynamic tree": TREE},
+    "dflash": {"chain": {}, "static tree": TREE},
+    "dspark": {"chain": {}},
+}
+PARAMS = [(method, shape) for method, shapes in CASES.items() for shape in shapes]
+
+
+def cases(test):
+    ids = [f"{m}-{s.replace(' ', '_')}" for m, s in PARAMS]
+    import pytest
+
+    return pytest.mark.parametrize("spec_config", PARAMS, ids=ids, indirect=True)(test)
+
+

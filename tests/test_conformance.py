@@ -12,48 +12,17 @@ first test fails until it is), and then gets the lossless checks for free:
 from __future__ import annotations
 
 import pytest
-from helpers import PROMPTS, generate_ids
+from helpers import CASES, PROMPTS, cases, generate_ids
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import SpecDecodeError
 from specdecode.speculative.propose.registry import PROPOSERS
 
-K = 3
-TREE = {"tree_topk": 3, "tree_num_nodes": 10}
-# method -> {shape: speculative_config keys beyond method / model / k}
-CASES: dict[str, dict[str, dict]] = {
-    "ngram": {"chain": {"prompt_lookup_min": 1, "prompt_lookup_max": 3}},
-    "draft_model": {"chain": {}},
-    "medusa": {"chain": {}, "static tree": TREE},
-    "eagle": {"chain": {}, "dynamic tree": TREE},
-    "eagle3": {"chain": {}, "dynamic tree": TREE},
-    "mtp": {"chain": {}, "dynamic tree": TREE},
-    "dflash": {"chain": {}, "static tree": TREE},
-    "dspark": {"chain": {}},
-}
-PARAMS = [(method, shape) for method, shapes in CASES.items() for shape in shapes]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
 
 def builtin_methods() -> set[str]:
     return {m for m in PROPOSERS if not m.startswith("test_")}  # tests may register their own proposers
-
-
-@pytest.fixture()
-def spec_config(request, native_drafter, trained_drafters):
-    """speculative_config of one (method, shape) case."""
-    method, shape = request.param
-    config = {"method": method, "num_speculative_tokens": K, **CASES[method][shape]}
-    if method == "draft_model":
-        config["model"] = str(native_drafter)  # a different random model: mostly rejected drafts
-    elif method in trained_drafters:
-        config["model"] = str(trained_drafters[method])
-    return config
-
-
-def cases(test):
-    ids = [f"{m}-{s.replace(' ', '_')}" for m, s in PARAMS]
-    return pytest.mark.parametrize("spec_config", PARAMS, ids=ids, indirect=True)(test)
 
 
 def test_every_registered_method_has_conformance_cases():

@@ -17,12 +17,57 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 @dataclasses.dataclass(slots=True)
+class StructuredOutputsParams:
+    """Constrain the output to a grammar (exactly one field set), vLLM's `StructuredOutputsParams`.
+
+    json: a JSON schema (a dict or its JSON text); json_object: any JSON object; regex: a regular
+    expression the whole output matches; choice: the output is one of these strings; grammar: a
+    context-free grammar in Lark syntax (GBNF is converted). Compiled by llguidance
+    (`specdecode/structured.py`); the output always parses under it.
+    """
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            given.append("json_object")
+        if len(given) != 1:
+            raise InvalidRequestError("structured outputs take exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {', '.join(given) or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise InvalidRequestError("structured outputs json must be a JSON schema (an object, or its JSON text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"structured outputs {name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise InvalidRequestError("structured outputs choice must be a non-empty list of non-empty strings")
+
+
+@dataclasses.dataclass(slots=True)
 class SamplingParams:
     """How one request is decoded. Defaults follow vLLM (temperature 1, max_tokens 16).
 
     temperature 0 (or below 1e-5) is an exact argmax, not a tiny temperature. top_k 0 (or -1)
     and top_p 1 disable those filters. With `seed` set, the request draws from its own generator, so
     its tokens do not depend on what else is in the batch.
+
+    Logit adjustments (vLLM semantics, applied in this order before temperature, by the one
+    `adjust_logits` that plain sampling, drafting and verification share): the grammar of
+    `structured_outputs`, `bad_words` (a word's last token is banned where its other tokens
+    end the output), `logit_bias` (token id -> added to its logit), `repetition_penalty` (tokens
+    seen in the prompt or output: positive logits divided by it, negative multiplied),
+    `frequency_penalty` (minus penalty x count in the output) and `presence_penalty` (minus
+    penalty once a token is in the output). Then temperature, `min_p` (drop tokens below min_p x
+    the top probability), top-k, top-p. `logprobs=N`: each output token's log probability under
+    that processed distribution and the N most likely tokens'; `prompt_logprobs=N`: the same
+    for every prompt token under the model's raw distribution.
     """
 
     temperature: float = 1.0
@@ -33,6 +78,15 @@ class SamplingParams:
     stop: list[str] = dataclasses.field(default_factory=list)
     stop_token_ids: list[int] = dataclasses.field(default_factory=list)
     ignore_eos: bool = False
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    bad_words: list[str] = dataclasses.field(default_factory=list)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +97,10 @@ class SamplingParams:
             self.stop_token_ids = []
         if _is_int(self.top_k) and self.top_k == -1:
             self.top_k = 0
+        if self.bad_words is None:
+            self.bad_words = []
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         stop_ok = isinstance(self.stop, (list, tuple)) and len(self.stop) <= MAX_STOP_STRINGS and all(
             isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in self.stop)
         checks = [
@@ -58,11 +116,39 @@ class SamplingParams:
             (isinstance(self.stop_token_ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              "stop_token_ids", "a list of token ids (integers >= 0)"),
             (isinstance(self.ignore_eos, bool), "ignore_eos", "true or false"),
+            (_is_number(self.min_p) and 0 <= self.min_p <= 1, "min_p", "a number in [0, 1]"),
+            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2, "presence_penalty",
+             "a number in [-2, 2]"),
+            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2, "frequency_penalty",
+             "a number in [-2, 2]"),
+            (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             "repetition_penalty", f"a number in (0, {MAX_REPETITION_PENALTY}] (1 disables it)"),
+            (self.logit_bias is None or (isinstance(self.logit_bias, dict) and all(
+                _is_int(t) and t >= 0 and _is_number(b) and -100 <= b <= 100 for t, b in self.logit_bias.items())),
+             "logit_bias", "a map of token ids (integers >= 0) to biases in [-100, 100]"),
+            (isinstance(self.bad_words, (list, tuple)) and len(self.bad_words) <= MAX_BAD_WORDS and all(
+                isinstance(w, str) and w.strip() and len(w) <= MAX_STOP_STRING_CHARS for w in self.bad_words),
+             "bad_words", f"a list of at most {MAX_BAD_WORDS} non-empty strings"),
+            (self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS), "logprobs",
+             f"an integer in [0, {MAX_LOGPROBS}] or None"),
+            (self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+             "prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None"),
+            (self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+             "structured_outputs", "a StructuredOutputsParams (or a dict of its fields) or None"),
         ]
         for ok, key, accepted in checks:
             if not ok:
                 raise InvalidRequestError(f"invalid {key}={_short_repr(getattr(self, key))}: expected {accepted}")
         self.stop, self.stop_token_ids = list(self.stop), list(self.stop_token_ids)
+        self.bad_words = list(self.bad_words)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items() if b != 0} or None
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Uses a context-dependent logit adjustment (bias, bad words, penalties; not the grammar)."""
+        return bool(self.logit_bias or self.bad_words or self.presence_penalty or self.frequency_penalty
+                    or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +163,9 @@ MAX_TOP_K = 2 ** 31
 MAX_SEED = 2 ** 64
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+MAX_BAD_WORDS = 256
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+MAX_REPETITION_PENALTY = 100.0
 
 
 def _is_int(x) -> bool:

@@ -1,9 +1,11 @@
 """Logits -> processed probabilities -> tokens, batched, sync-free, per-request seeded.
 
-`SamplingBatch` carries the per-row parameters of a batch as tensors. `process_logits`
-applies temperature, top-k and top-p exactly once, and the speculative verifier calls the
-same function on the target and the drafter, so both sides see the distribution that
-non-speculative sampling would use. Greedy rows (temperature 0) are an exact argmax.
+`SamplingBatch` carries the per-row parameters of a batch as tensors. `adjust_logits` applies
+the context-dependent adjustments (penalties, logit_bias, bad words, grammar masks: see
+logit_adjust.py) and `process_logits` temperature, min_p, top-k and top-p, exactly once each;
+plain sampling, the drafters' chains and the speculative verifier all call these two, so every
+side sees the distribution that non-speculative sampling would use. Greedy rows (temperature
+0) are an exact argmax of the adjusted logits.
 
 Random rows use the exponential race (`argmax(p / E)`, E ~ Exp(1)), which samples from p
 without a host sync. A row with a seed draws its noise from its own torch.Generator, so its
@@ -19,8 +21,32 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdecode.logit_adjust import LogitAdjust, apply_grammar_mask
+
 if TYPE_CHECKING:
     from specdecode.config import SamplingParams
+
+
+def bitmask_words(vocab_size: int) -> int:
+    """int32 words of a grammar bitmask over the vocabulary."""
+    return (vocab_size + 31) // 32
+
+
+@dataclasses.dataclass(slots=True)
+class RowMasks:
+    """Grammar bitmasks for some rows of a batch: rows[g] may produce token t where bit t % 32 of
+    bitmask[g, t // 32] is set."""
+
+    rows: list[int]  # host
+    bitmask: torch.Tensor  # [G, ceil(V / 32)] int32 (CPU: the grammar engine writes it)
+
+    def select(self, rows: list[int]) -> "RowMasks | None":
+        """The masks of the given rows of the batch, renumbered as `SamplingBatch.select` does."""
+        where = {r: g for g, r in enumerate(self.rows)}
+        picked = [(j, where[r]) for j, r in enumerate(rows) if r in where]
+        if not picked:
+            return None
+        return RowMasks([j for j, _ in picked], self.bitmask[torch.tensor([g for _, g in picked])])
 
 
 @dataclasses.dataclass(slots=True)
@@ -36,20 +62,31 @@ class SamplingBatch:
     noise_keys: torch.Tensor | None = None  # [N] int64 32-bit keys (`exact.noise.seed_key`), -1 = not keyed
     positions: torch.Tensor | None = None  # [N] int64 absolute position of the token each row samples next
     greedy: list[bool] = dataclasses.field(default_factory=list)  # host: [N] temperature 0
+    min_p: torch.Tensor | None = None  # [N] float32; None = no row uses min_p
+    # Context-dependent adjustments (logit_adjust.py): per-sequence data, each row's sequence
+    # (host) and the draft tokens on its path beyond the committed ones ([N, D], -1 padded).
+    adjust: LogitAdjust | None = None
+    base_rows: list[int] = dataclasses.field(default_factory=list)
+    extra_tokens: torch.Tensor | None = None
+    grammar: RowMasks | None = None  # grammar masks of the constrained rows (None: no row is constrained)
+    grammars: list = dataclasses.field(default_factory=list)  # host [N]: each row's committed GrammarState or None
 
     @classmethod
     def build(cls, params: "list[SamplingParams]", generators: list[torch.Generator | None], device,
-              noise_keys: list[int | None] | None = None, positions: list[int] | None = None) -> "SamplingBatch":
+              noise_keys: list[int | None] | None = None, positions: list[int] | None = None,
+              adjust: LogitAdjust | None = None, grammars: list | None = None,
+              grammar: RowMasks | None = None) -> "SamplingBatch":
         """noise_keys (exact mode): a key per row, None for rows that are not keyed; positions: the
-        absolute position each row samples next (needed with keys)."""
+        absolute position each row samples next (needed with keys). Greedy rows ignore top-k,
+        top-p and min_p (as vLLM), so their logprobs are those of the adjusted logits."""
         keyed = [] if noise_keys is None else [i for i, (key, p) in enumerate(zip(noise_keys, params))
                                                if key is not None and not p.greedy]
         keyed_set = set(keyed)
         return cls(
             temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
                                      device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([0 if p.greedy else p.top_k for p in params], dtype=torch.int64, device=device),
+            top_p=torch.tensor([1.0 if p.greedy else p.top_p for p in params], dtype=torch.float32, device=device),
             generators=list(generators),
             all_greedy=all(p.greedy for p in params),
             needs_filter=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
@@ -58,12 +95,28 @@ class SamplingBatch:
                 [-1 if i not in keyed_set else noise_keys[i] for i in range(len(params))], device=device),
             positions=None if not keyed else torch.tensor(positions, dtype=torch.int64, device=device),
             greedy=[p.greedy for p in params],
+            min_p=None if not any(p.min_p > 0 and not p.greedy for p in params) else torch.tensor(
+                [0.0 if p.greedy else p.min_p for p in params], dtype=torch.float32, device=device),
+            adjust=adjust,
+            base_rows=list(range(len(params))),
+            grammar=grammar,
+            grammars=list(grammars) if grammars is not None else [None] * len(params),
         )
 
     @property
     def all_deterministic(self) -> bool:
         """Every row is greedy or keyed: verification is an equality test, no rejection sampling."""
         return self.all_greedy or len(self.keyed_rows) + sum(self.greedy) == len(self.generators)
+
+    @property
+    def adjusts(self) -> bool:
+        """Some row's logits are adjusted (penalties, bias, bad words or a grammar)."""
+        return self.adjust is not None or self.grammar is not None
+
+    @property
+    def constrained(self) -> bool:
+        """Some row follows a grammar."""
+        return any(g is not None for g in self.grammars)
 
     def select(self, rows: list[int]) -> "SamplingBatch":
         """The batch of the given rows only, in that order."""
@@ -73,11 +126,23 @@ class SamplingBatch:
         return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index],
                              [self.generators[r] for r in rows], self.all_greedy, self.needs_filter, keyed,
                              None if not keyed else self.noise_keys[index],
-                             None if not keyed else self.positions[index], [self.greedy[r] for r in rows])
+                             None if not keyed else self.positions[index], [self.greedy[r] for r in rows],
+                             None if self.min_p is None else self.min_p[index], self.adjust,
+                             [self.base_rows[r] for r in rows],
+                             None if self.extra_tokens is None else self.extra_tokens[index],
+                             None if self.grammar is None else self.grammar.select(rows),
+                             [self.grammars[r] for r in rows])
+
+    def with_context(self, extra_tokens: torch.Tensor | None, grammar: RowMasks | None) -> "SamplingBatch":
+        """The same rows, each after `extra_tokens` [N, D] on its path (-1 padded; kept only where
+        an adjustment reads them) and under these grammar masks."""
+        return dataclasses.replace(self, extra_tokens=extra_tokens if self.adjust is not None else None,
+                                   grammar=grammar)
 
     def repeat_rows(self, counts: list[int]) -> "SamplingBatch":
         """Row i repeated counts[i] times, one row per verified position of a sequence: the j-th
-        repeat samples the token j positions later (keyed rows' noise follows it)."""
+        repeat samples the token j positions later (keyed rows' noise follows it). The repeats
+        carry no draft context or grammar masks: `with_context` adds them."""
         device = self.temperature.device
         index = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
         gens = [g for g, c in zip(self.generators, counts) for _ in range(c)]
@@ -89,20 +154,42 @@ class SamplingBatch:
             noise_keys, positions = self.noise_keys[index], self.positions[index] + offsets
         greedy = [g for g, c in zip(self.greedy, counts) for _ in range(c)]
         return SamplingBatch(self.temperature[index], self.top_k[index], self.top_p[index], gens,
-                             self.all_greedy, self.needs_filter, sorted(keyed), noise_keys, positions, greedy)
+                             self.all_greedy, self.needs_filter, sorted(keyed), noise_keys, positions, greedy,
+                             None if self.min_p is None else self.min_p[index], self.adjust,
+                             [b for b, c in zip(self.base_rows, counts) for _ in range(c)], None, None,
+                             [g for g, c in zip(self.grammars, counts) for _ in range(c)])
+
+
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] -> logits after the context-dependent adjustments (logit_adjust.py): what greedy
+    rows take the argmax of and what `process_logits` starts from. The same tensor when no row adjusts."""
+    if batch.adjust is not None:
+        logits = batch.adjust.apply(logits, batch.base_rows, batch.extra_tokens)
+    if batch.grammar is not None:
+        logits = apply_grammar_mask(logits, batch.grammar.rows, batch.grammar.bitmask)
+    return logits
+
+
+def processed_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Adjusted logits [N, V] -> the logits of the distribution each row samples from: after
+    temperature, min_p, top-k, top-p (masked tokens at -inf).
+
+    Greedy rows get temperature 1 here (their probs are only used by the verifier's greedy
+    path through argmax, which temperature does not change, and by logprobs)."""
+    temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
+    logits = logits / temperature[:, None]
+    if batch.min_p is not None:
+        probs = torch.softmax(logits, dim=-1)
+        drop = probs < batch.min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(drop, float("-inf"))
+    if batch.needs_filter:
+        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+    return logits
 
 
 def process_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] float32 -> probs [N, V] after temperature, top-k, top-p.
-
-    Greedy rows get temperature 1 here (their probs are only used by the verifier's greedy
-    path through argmax, which temperature does not change).
-    """
-    temperature = torch.where(batch.temperature > 0, batch.temperature, torch.ones_like(batch.temperature))
-    logits = logits / temperature[:, None]
-    if batch.needs_filter:
-        logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
-    return torch.softmax(logits, dim=-1)
+    """Adjusted logits [N, V] float32 -> probs [N, V] after temperature, min_p, top-k, top-p."""
+    return torch.softmax(processed_logits(logits, batch), dim=-1)
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -150,7 +237,8 @@ def race_noise(batch: SamplingBatch, vocab: int, offset: int = 0) -> torch.Tenso
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N]."""
+    """Raw logits [N, V] float32 -> token ids [N] (adjustments, then the processed distribution)."""
+    logits = adjust_logits(logits, batch)
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens

@@ -8,6 +8,22 @@ from pathlib import Path
 from specdecode.errors import ModelLoadError, TokenizerMismatchError
 
 
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the printable character standing for each byte."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_level_alphabet()
+
+
 def _token_content(value) -> str | None:
     # tokenizer_config.json writes special tokens as a string or as {"content": ...}.
     if isinstance(value, dict):
@@ -58,6 +74,26 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text (special tokens included), as logprobs show it."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """One token's UTF-8 bytes (a byte-level token may hold part of a character), as OpenAI's logprobs
+        `bytes`; from the byte-level alphabet where the tokenizer has one."""
+        piece = self._tok.id_to_token(token_id)
+        if piece is not None and all(ch in _BYTE_OF_CHAR for ch in piece) and not self._is_special(token_id):
+            return [_BYTE_OF_CHAR[ch] for ch in piece]
+        return list(self.token_text(token_id).encode("utf-8"))
+
+    def _is_special(self, token_id: int) -> bool:
+        added = self._tok.get_added_tokens_decoder()
+        return token_id in added and added[token_id].special
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (for the grammar engine)."""
+        return self._tok.to_str()
 
     def max_text_bytes(self, num_tokens: int) -> int | None:
         """A bound for a cheap length check before tokenising: a text of more UTF-8 bytes than

@@ -26,6 +26,8 @@ from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_output import StepOutput
 from specdecode.errors import ConfigError, InvalidRequestError, ModelLoadError
 from specdecode.exact.noise import seed_key
+from specdecode.logit_adjust import LogitAdjust, RowHistory
+from specdecode.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch, sample
 from specdecode.speculative.speculator import TargetHandle, build_speculator
@@ -84,6 +86,8 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort" | "error"
     metrics: RequestMetrics
     error: str | None = None  # finish_reason "error": the exception's type and message
+    logprobs: list[TokenLogprob] | None = None  # SamplingParams.logprobs set: one per token of token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs set: one per prompt token
 
 
 class LLM:
@@ -150,6 +154,7 @@ class LLM:
             self.model_config.eos_token_ids + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())))
         torch.manual_seed(seed)
         self._request_counter = itertools.count()
+        self._grammar_compiler = None
         self.stats = SpecStats()  # aggregate over finished requests
         self.speculator = build_speculator(speculative_config, TargetHandle(
             self.runner, model_dir, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len))
@@ -192,6 +197,12 @@ class LLM:
         if params.stop_token_ids and max(params.stop_token_ids) >= vocab:
             raise InvalidRequestError(f"invalid stop_token_ids: token ids must lie in [0, {vocab}); "
                                       f"got {max(params.stop_token_ids)}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"invalid logit_bias: token ids must lie in [0, {vocab}); "
+                                      f"got {max(params.logit_bias)}")
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler.state(params.structured_outputs)
         request_id = request_id if request_id is not None else str(next(self._request_counter))
         generator = noise_key = None
         if params.seed is not None and self.exact:
@@ -200,7 +211,29 @@ class LLM:
             generator = torch.Generator(device=self.device).manual_seed(params.seed)
         return Sequence(request_id=request_id, prompt=text, prompt_token_ids=ids, params=params,
                         eos_token_ids=self.eos_token_ids, max_len=self.max_model_len, generator=generator,
-                        noise_key=noise_key)
+                        noise_key=noise_key, grammar=grammar, bad_word_ids=self._bad_word_ids(params.bad_words),
+                        logprobs=[] if params.logprobs is not None else None)
+
+    def _bad_word_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word as token ids, as written and after a space (as vLLM: a word mid-text
+        usually starts with one)."""
+        out = []
+        for word in words:
+            for text in dict.fromkeys((word, word if word.startswith(" ") else " " + word)):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    @property
+    def grammar_compiler(self):
+        """The structured-outputs compiler for this tokenizer (built on first use)."""
+        if self._grammar_compiler is None:
+            from specdecode.structured import GrammarCompiler
+
+            self._grammar_compiler = GrammarCompiler(self.tokenizer.to_json(), self.model_config.vocab_size,
+                                                     self.eos_token_ids[0])
+        return self._grammar_compiler
 
     def add_request(self, prompt: Prompt, params: SamplingParams | None = None, request_id: str | None = None) -> str:
         seq = self._make_sequence(prompt, params, request_id)
@@ -278,23 +311,47 @@ class LLM:
         return self.speculator.step(seqs, self._sampling_batch(seqs))
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The step's sampling batch: parameters, seeded noise, and (for the rows that use them)
+        the logit adjustments of each sequence's committed context and its grammar's mask."""
+        from specdecode.structured import committed_masks
+
         keys = [s.noise_key for s in seqs] if self.exact else None
-        return SamplingBatch.build([s.params for s in seqs], [s.generator for s in seqs], self.device,
-                                   noise_keys=keys, positions=[s.num_tokens for s in seqs])
+        params = [s.params for s in seqs]
+        adjust = None
+        if any(p.adjusts_logits for p in params):
+            adjust = LogitAdjust.build(params, [RowHistory(s.prompt_token_ids, s.output_token_ids, s.bad_word_ids)
+                                                if s.params.adjusts_logits else None for s in seqs],
+                                       self.model_config.vocab_size, self.device)
+        grammars = [s.grammar for s in seqs]
+        return SamplingBatch.build(params, [s.generator for s in seqs], self.device, noise_keys=keys,
+                                   positions=[s.num_tokens for s in seqs], adjust=adjust, grammars=grammars,
+                                   grammar=committed_masks(grammars, self.model_config.vocab_size))
 
     def _prefill(self, seqs: list[Sequence]) -> StepOutput:
-        entries = [ForwardEntry(s.slot, s.prompt_token_ids, start=0) for s in seqs]
+        # A request with prompt_logprobs takes logits at every prompt position (only it pays for them).
+        num_logits = [len(s.prompt_token_ids) if s.params.prompt_logprobs is not None else 1 for s in seqs]
+        entries = [ForwardEntry(s.slot, s.prompt_token_ids, start=0, num_logits=n) for s, n in zip(seqs, num_logits)]
         result = self.runner.forward(entries, hidden_taps=self.speculator.hidden_taps if self.speculator else ())
-        tokens = sample(result.logits[:, 0], self._sampling_batch(seqs)).tolist()
+        batch = self._sampling_batch(seqs)
+        last = result.logits[torch.arange(len(seqs)), torch.tensor(num_logits) - 1]  # [B, V] after each prompt
+        tokens = sample(last, batch).tolist()
         if self.speculator is not None:
             self.speculator.on_prefill(seqs, result)
-        return StepOutput(seqs, [[t] for t in tokens], [len(s.prompt_token_ids) for s in seqs])
+        prompt = None
+        if any(s.params.prompt_logprobs is not None for s in seqs):
+            prompt = [None if s.params.prompt_logprobs is None else
+                      prompt_logprobs(result.logits[b], s.prompt_token_ids, s.params.prompt_logprobs)
+                      for b, s in enumerate(seqs)]
+        return StepOutput(seqs, [[t] for t in tokens], [len(s.prompt_token_ids) for s in seqs],
+                          logprobs=_plain_logprobs(seqs, last, batch, tokens), prompt_logprobs=prompt)
 
     def _decode(self, seqs: list[Sequence]) -> StepOutput:
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         result = self.runner.forward(entries)
-        tokens = sample(result.logits[:, 0], self._sampling_batch(seqs)).tolist()
-        return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs))
+        batch = self._sampling_batch(seqs)
+        tokens = sample(result.logits[:, 0], batch).tolist()
+        return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs),
+                          logprobs=_plain_logprobs(seqs, result.logits[:, 0], batch, tokens))
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Outputs of the step's requests; finished ones hand their stats over and free drafter state."""
@@ -313,7 +370,8 @@ class LLM:
         if seq.stop_text_len is not None:
             text = text[: seq.stop_text_len]
         return RequestOutput(seq.request_id, seq.prompt, seq.prompt_token_ids, text, list(seq.output_token_ids),
-                             seq.is_finished, seq.finish_reason, RequestMetrics.from_sequence(seq), seq.error)
+                             seq.is_finished, seq.finish_reason, RequestMetrics.from_sequence(seq), seq.error,
+                             None if seq.logprobs is None else list(seq.logprobs), seq.prompt_logprobs)
 
     # ---- offline batch API --------------------------------------------------------------------
 
@@ -360,6 +418,20 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
+
+
+def _plain_logprobs(seqs: list[Sequence], logits: torch.Tensor, batch: SamplingBatch,
+                    tokens: list[int]) -> list[list[TokenLogprob] | None] | None:
+    """Logprobs of a one-token step's tokens for the rows that asked (None when nobody did)."""
+    rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return None
+    values = token_logprobs(logits[torch.tensor(rows, device=logits.device)], batch.select(rows),
+                            [tokens[b] for b in rows], [seqs[b].params.logprobs for b in rows])
+    out: list[list[TokenLogprob] | None] = [None] * len(seqs)
+    for b, value in zip(rows, values):
+        out[b] = [value]
+    return out
 
 
 def _prepare_exact(model, dtype: torch.dtype, device: torch.device) -> None:

@@ -71,19 +71,27 @@ class Scheduler:
                     seq.stats.observe(out.num_draft[b], out.num_accepted[b])
                     seq.stats.draft_time += out.draft_seconds * share
                     seq.stats.verify_time += out.verify_seconds * share
-                self.append_tokens(seq, out.token_ids[b])
+                if out.prompt_logprobs is not None and out.prompt_logprobs[b] is not None:
+                    seq.prompt_logprobs = out.prompt_logprobs[b]
+                self.append_tokens(seq, out.token_ids[b], None if out.logprobs is None else out.logprobs[b])
             except Exception as error:
                 log.exception("request %s: applying its step failed", seq.request_id)
                 failed.append((seq, error))
         return failed
 
-    def append_tokens(self, seq: Sequence, new_token_ids: list[int]) -> list[int]:
-        """Append tokens one by one until a stop condition; returns the tokens kept."""
+    def append_tokens(self, seq: Sequence, new_token_ids: list[int], logprobs: list | None = None) -> list[int]:
+        """Append tokens one by one until a stop condition; returns the tokens kept. A
+        constrained sequence's grammar commits each kept token (and a grammar that is complete
+        stops the sequence); logprobs, when given, come one per token."""
         kept = []
         if seq.first_token_time is None and new_token_ids:
             seq.first_token_time = time.perf_counter()
-        for token in new_token_ids:
+        for i, token in enumerate(new_token_ids):
+            if seq.grammar is not None:
+                seq.grammar.consume(token)
             seq.output_token_ids.append(token)
+            if logprobs is not None and seq.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             kept.append(token)
             reason = self._stop_reason(seq, token)
             if reason is not None:
@@ -98,6 +106,8 @@ class Scheduler:
         if token in params.stop_token_ids:
             return "stop"
         if params.stop and self._find_stop_string(seq):
+            return "stop"
+        if seq.grammar is not None and seq.grammar.is_stopped:
             return "stop"
         if len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= seq.max_len:
             return "length"

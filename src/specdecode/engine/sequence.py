@@ -1,4 +1,4 @@
-"""One request's state: tokens, status, KV slot, per-request metrics. Plain Python, no tensors."""
+"""One request's state: tokens, status, KV slot, grammar, logprobs, per-request metrics. Plain Python, no tensors."""
 
 from __future__ import annotations
 
@@ -6,10 +6,16 @@ import dataclasses
 import enum
 import time
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdecode.config import SamplingParams
 from specdecode.speculative.stats import SpecStats
+
+if TYPE_CHECKING:
+    from specdecode.logprobs import TokenLogprob
+    from specdecode.structured import GrammarState
 
 
 class SequenceStatus(enum.Enum):
@@ -41,6 +47,10 @@ class Sequence:
     # not a trailing U+FFFD of an incomplete UTF-8 sequence, when last searched).
     stop_checked_chars: int = 0
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
+    grammar: "GrammarState | None" = None  # structured outputs: the matcher after the committed tokens
+    bad_word_ids: list[list[int]] = dataclasses.field(default_factory=list)  # bad_words as token ids
+    logprobs: "list[TokenLogprob] | None" = None  # params.logprobs set: one per output token
+    prompt_logprobs: "list[TokenLogprob | None] | None" = None  # params.prompt_logprobs set
     arrival_time: float = dataclasses.field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import TYPE_CHECKING
+
 from specdecode.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specdecode.logprobs import TokenLogprob
 
 
 @dataclasses.dataclass(slots=True)
@@ -25,6 +30,9 @@ class StepOutput:
     num_accepted: list[int] | None = None
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    # Per sequence: a TokenLogprob per committed token, or None (the request did not ask).
+    logprobs: "list[list[TokenLogprob] | None] | None" = None
+    prompt_logprobs: "list[list[TokenLogprob | None] | None] | None" = None  # prefills only
 
     @classmethod
     def empty(cls) -> "StepOutput":
@@ -42,7 +50,13 @@ class StepOutput:
         def joined(field: str) -> list:
             return [x for part in parts for x in getattr(part, field)]
 
+        def joined_optional(field: str) -> list | None:  # None in a part: nobody there asked
+            if all(getattr(part, field) is None for part in parts):
+                return None
+            return [x for part in parts for x in (getattr(part, field) or [None] * len(part.seqs))]
+
         speculative = parts[0].num_draft is not None  # the parts are steps of one kind
         return cls(joined("seqs"), joined("token_ids"), joined("num_cached"),
                    joined("num_draft") if speculative else None, joined("num_accepted") if speculative else None,
-                   sum(part.draft_seconds for part in parts), sum(part.verify_seconds for part in parts))
+                   sum(part.draft_seconds for part in parts), sum(part.verify_seconds for part in parts),
+                   joined_optional("logprobs"), joined_optional("prompt_logprobs"))

@@ -26,7 +26,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdecode.config import SamplingParams
+from specdecode.config import SamplingParams, StructuredOutputsParams
 from specdecode.engine.engine import RequestOutput
 from specdecode.errors import SpecDecodeError
 from specdecode.server.async_engine import AsyncEngine, EngineBusy, EngineUnavailable, RequestFailed
@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BYTES = 2 * 2 ** 20
 DISCONNECT_POLL_SECONDS = 0.25  # how often a non-streaming request checks that its client is still there
 # Request fields passed to SamplingParams when the client sent them (their names are the same).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "min_p",
+                   "presence_penalty", "frequency_penalty", "repetition_penalty", "bad_words")
 _INVALID_KEY = re.compile(r"invalid (\w+)")
 
 
@@ -88,13 +89,23 @@ class _Shape:
         return req.max_tokens, "max_tokens"
 
     @staticmethod
-    def choice(text: str, finish_reason: str | None) -> dict:
-        """The choice of the whole answer."""
+    def num_logprobs(req) -> int | None:
+        """SamplingParams.logprobs for this request (None: not asked)."""
         raise NotImplementedError
 
     @staticmethod
-    def chunk_choice(text: str, finish_reason: str | None, first: bool) -> dict:
+    def choice(text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        """The choice of the whole answer (logprobs: this shape's logprobs object, or None)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def chunk_choice(text: str, finish_reason: str | None, first: bool, logprobs: dict | None) -> dict:
         """The choice of a streamed chunk; `first`: the stream's first chunk."""
+        raise NotImplementedError
+
+    @staticmethod
+    def logprobs(tokenizer, values: list, text_offset: int) -> dict:
+        """This shape's logprobs object for some output tokens (text_offset: where their text starts)."""
         raise NotImplementedError
 
 
@@ -118,12 +129,28 @@ class _Completion(_Shape):
         return _completion_prompt(req.prompt)
 
     @staticmethod
-    def choice(text, finish_reason):
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def num_logprobs(req):
+        return req.logprobs
 
     @staticmethod
-    def chunk_choice(text, finish_reason, first):
-        return _Completion.choice(text, finish_reason)
+    def choice(text, finish_reason, logprobs):
+        return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    @staticmethod
+    def chunk_choice(text, finish_reason, first, logprobs):
+        return _Completion.choice(text, finish_reason, logprobs)
+
+    @staticmethod
+    def logprobs(tokenizer, values, text_offset):
+        """The legacy completions shape: parallel lists, top_logprobs as {token text: logprob}."""
+        tokens, offsets = [], []
+        for v in values:
+            tokens.append(tokenizer.token_text(v.token_id))
+            offsets.append(text_offset)
+            text_offset += len(tokens[-1])
+        return {"tokens": tokens, "token_logprobs": [v.logprob for v in values],
+                "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in v.top} for v in values],
+                "text_offset": offsets}
 
 
 class _ChatCompletion(_Shape):
@@ -151,13 +178,28 @@ class _ChatCompletion(_Shape):
         return req.max_tokens, "max_tokens"
 
     @staticmethod
-    def choice(text, finish_reason):
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    def num_logprobs(req):
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        return (req.top_logprobs or 0) if req.logprobs else None
 
     @staticmethod
-    def chunk_choice(text, finish_reason, first):
+    def choice(text, finish_reason, logprobs):
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
+
+    @staticmethod
+    def chunk_choice(text, finish_reason, first, logprobs):
         delta = {"role": "assistant", "content": text} if first else {"content": text}  # the role comes once
-        return {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+    @staticmethod
+    def logprobs(tokenizer, values, text_offset):
+        def entry(token_id: int, logprob: float) -> dict:
+            return {"token": tokenizer.token_text(token_id), "logprob": logprob, "bytes": tokenizer.token_bytes(token_id)}
+
+        return {"content": [{**entry(v.token_id, v.logprob), "top_logprobs": [entry(t, lp) for t, lp in v.top]}
+                            for v in values]}
 
 
 @dataclasses.dataclass(slots=True)
@@ -165,6 +207,62 @@ class _Prepared:
     prompt: dict  # {"prompt_token_ids": [...], "prompt": text | None}
     params: SamplingParams
     stream: bool
+
+
+def _structured_outputs(req) -> StructuredOutputsParams | None:
+    """The request's output constraint, from whichever of OpenAI's response_format, vLLM's
+    structured_outputs or its guided_* fields it came in (at most one)."""
+    given = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        given["response_format"] = StructuredOutputsParams(json_object=True)
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise APIError(400, 'response_format of type "json_schema" needs json_schema.schema', param="response_format")
+        given["response_format"] = StructuredOutputsParams(json=fmt.json_schema.schema_)
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        given["structured_outputs"] = dict(json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                                           choice=so.choice, grammar=so.grammar)
+    for field, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, field) is not None:
+            given[field] = {key: getattr(req, field)}
+    if len(given) > 1:
+        raise APIError(400, f"send one output constraint, not {len(given)} ({', '.join(given)})", param=list(given)[1])
+    if not given:
+        return None
+    field, spec = next(iter(given.items()))
+    try:
+        return spec if isinstance(spec, StructuredOutputsParams) else StructuredOutputsParams(**spec)
+    except SpecDecodeError as e:
+        raise APIError(400, str(e), param=field) from None
+
+
+def _logit_bias(req) -> dict[int, float] | None:
+    if req.logit_bias is None:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        if not key.isdigit():
+            raise APIError(400, f"logit_bias keys are token ids (strings of digits), got {key[:40]!r}", param="logit_bias")
+        out[int(key)] = bias
+    return out
+
+
+def _prompt_logprobs(tokenizer, values: list) -> list:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank, decoded_token}},
+    the token itself and the likeliest ones."""
+    out = []
+    for v in values:
+        if v is None:
+            out.append(None)
+            continue
+        entries = {v.token_id: {"logprob": v.logprob, "rank": v.rank}}
+        for rank, (t, lp) in enumerate(v.top, start=1):
+            entries.setdefault(t, {"logprob": lp, "rank": rank})
+        out.append({str(t): {**e, "decoded_token": tokenizer.token_text(t)} for t, e in entries.items()})
+    return out
 
 
 def _param_of(error: SpecDecodeError, prompt_field: str) -> str | None:
@@ -175,7 +273,7 @@ def _param_of(error: SpecDecodeError, prompt_field: str) -> str | None:
         return param
     message = str(error)
     key = _INVALID_KEY.match(message)
-    if key and key.group(1) in SAMPLING_FIELDS + ("max_tokens",):
+    if key and key.group(1) in SAMPLING_FIELDS + ("max_tokens", "logit_bias", "logprobs", "prompt_logprobs"):
         return key.group(1)
     return prompt_field if "prompt" in message or "template" in message else None
 
@@ -248,7 +346,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         max_tokens, max_tokens_field = shape.max_tokens(req)
         try:
             sent = {key: getattr(req, key) for key in SAMPLING_FIELDS if getattr(req, key) is not None}
-            params = SamplingParams(**sent, max_tokens=max_tokens or 1)  # the real default once the prompt is known
+            params = SamplingParams(**sent, max_tokens=max_tokens or 1,  # the real default once the prompt is known
+                                    logit_bias=_logit_bias(req), logprobs=shape.num_logprobs(req),
+                                    prompt_logprobs=getattr(req, "prompt_logprobs", None),
+                                    structured_outputs=_structured_outputs(req))
             prompt = shape.prompt(req, llm.tokenizer)
             if isinstance(prompt, str):
                 _check_length(prompt, shape.prompt_field)
@@ -290,11 +391,20 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
         params = prepared.params
         detok = IncrementalDetokenizer(hold_back=max((len(s) for s in params.stop), default=1) - 1)
         first = True
+        sent_logprobs, text_offset = 0, 0
         try:
             async for out in engine.generate(prepared.prompt, params):
                 delta = detok.delta(out.text, final=out.finished)
-                if delta or out.finished:
-                    choice = shape.chunk_choice(delta, out.finish_reason if out.finished else None, first)
+                new_logprobs = out.logprobs[sent_logprobs:] if out.logprobs is not None else []
+                if delta or out.finished or new_logprobs:
+                    logprobs = None
+                    if out.logprobs is not None:
+                        logprobs = shape.logprobs(llm.tokenizer, new_logprobs, text_offset)
+                        sent_logprobs = len(out.logprobs)
+                    choice = shape.chunk_choice(delta, out.finish_reason if out.finished else None, first, logprobs)
+                    if first and out.prompt_logprobs is not None:
+                        choice["prompt_logprobs"] = _prompt_logprobs(llm.tokenizer, out.prompt_logprobs)
+                    text_offset += len(delta)
                     yield _sse({**base, "choices": [choice]})
                     first = False
                 if out.finished:
@@ -345,7 +455,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, api_key: str | None =
             raise _as_api_error(e, shape) from None
         if out is None:
             return error_response(499, "the client closed the request")
-        return _body(base, [shape.choice(out.text, out.finish_reason)], out)
+        logprobs = None if out.logprobs is None else shape.logprobs(llm.tokenizer, out.logprobs, 0)
+        choice = shape.choice(out.text, out.finish_reason, logprobs)
+        if out.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = _prompt_logprobs(llm.tokenizer, out.prompt_logprobs)
+        return _body(base, [choice], out)
 
     completion_doc, components = request_schema(CompletionRequest)
     chat_doc, chat_components = request_schema(ChatCompletionRequest)

@@ -7,8 +7,8 @@ checks are ordered cheapest first and scale with what the body holds only where 
 body that is one long string, or a long array of numbers, costs one json.loads. Every error
 names the field by its JSON path (`messages[0].content`) in plain words.
 Unknown fields are refused, and so is every OpenAI parameter this server does not implement
-unless it has its neutral value (`echo: false`, `presence_penalty: 0`, ...): nothing a client
-asks for is silently ignored.
+unless it has its neutral value (`echo: false`, `n: 1`, ...): nothing a client asks for is
+silently ignored.
 """
 
 from __future__ import annotations
@@ -218,6 +218,29 @@ class StreamOptions(_Strict):
 
 
 _NOT_SUPPORTED = "not supported by this server; refused unless it has its neutral value"
+_MAX_LOGPROBS = 20
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Strict):
+    """vLLM's `structured_outputs` object (one of its fields)."""
+
+    json_: dict | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
 
 
 class _Request(_Strict):
@@ -234,15 +257,25 @@ class _Request(_Strict):
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, description="accepted and not used")
     n: Any = Field(None, description="only 1")
-    presence_penalty: Any = Field(None, description=_NOT_SUPPORTED + " (0)")
-    frequency_penalty: Any = Field(None, description=_NOT_SUPPORTED + " (0)")
-    repetition_penalty: Any = Field(None, description=_NOT_SUPPORTED + " (1)")
-    logit_bias: Any = Field(None, description=_NOT_SUPPORTED + " ({})")
-    logprobs: Any = Field(None, description=_NOT_SUPPORTED + " (false)")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, allow_inf_nan=False)
+    repetition_penalty: float | None = Field(None, gt=0, le=100, allow_inf_nan=False, description="vLLM's; 1 = off")
+    min_p: float | None = Field(None, ge=0, le=1, allow_inf_nan=False)
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100, allow_inf_nan=False)]] | None = Field(
+        None, description="token id (as a string) -> bias added to its logit")
+    bad_words: list[str] | None = Field(None, description="vLLM's: words the output never contains")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM's structured outputs")
+    guided_json: dict | str | None = Field(None, description="vLLM's: a JSON schema the output follows")
+    guided_regex: str | None = Field(None, description="vLLM's: a regular expression the output matches")
+    guided_choice: list[str] | None = Field(None, description="vLLM's: the output is one of these strings")
+    guided_grammar: str | None = Field(None, description="vLLM's: a Lark or GBNF grammar the output follows")
 
 
 class CompletionRequest(_Request):
     prompt: Prompt
+    logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS, description="logprobs of the N likeliest tokens too")
+    prompt_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS, description="vLLM's: logprobs of prompt tokens")
     echo: Any = Field(None, description=_NOT_SUPPORTED + " (false)")
     suffix: Any = Field(None, description=_NOT_SUPPORTED + ' ("")')
     best_of: Any = Field(None, description=_NOT_SUPPORTED + " (1)")
@@ -251,8 +284,8 @@ class CompletionRequest(_Request):
 class ChatCompletionRequest(_Request):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = Field(None, ge=1, description="the same as max_tokens")
-    top_logprobs: Any = Field(None, description=_NOT_SUPPORTED + " (0)")
-    response_format: Any = Field(None, description=_NOT_SUPPORTED + ' ({"type": "text"})')
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=_MAX_LOGPROBS, description="with logprobs: the N likeliest tokens too")
     tools: Any = Field(None, description=_NOT_SUPPORTED + " ([])")
     tool_choice: Any = Field(None, description=_NOT_SUPPORTED + ' ("none")')
     parallel_tool_calls: Any = Field(None, description=_NOT_SUPPORTED)
@@ -262,17 +295,11 @@ class ChatCompletionRequest(_Request):
 
 # parameter -> (its neutral values besides null, why it is refused otherwise)
 UNSUPPORTED: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "only n=1 is supported"),
-    "best_of": ((1,), "best_of > 1 is not supported"),
+    "n": ((1,), "only n=1 is supported: send n requests instead (with seeds s, s+1, ... for distinct samples); "
+                "they are batched together, at the cost of one"),
+    "best_of": ((1,), "best_of > 1 is not supported: send several requests and pick by their logprobs"),
     "echo": ((False,), "echo is not supported: answers never repeat the prompt"),
     "suffix": (("",), "suffix (text after the insertion point) is not supported"),
-    "presence_penalty": ((0, 0.0), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": ((0, 0.0), "frequency_penalty is not supported (only 0)"),
-    "repetition_penalty": ((1, 1.0), "repetition_penalty is not supported (only 1)"),
-    "logit_bias": (({},), "logit_bias is not supported"),
-    "logprobs": ((False,), "logprobs are not supported by this server yet"),
-    "top_logprobs": ((0,), "top_logprobs are not supported by this server yet"),
-    "response_format": (({"type": "text"},), 'response_format is not supported (only {"type": "text"})'),
     "tools": (([],), "tool calling is not supported (tools)"),
     "tool_choice": (("none",), "tool calling is not supported (tool_choice)"),
     "parallel_tool_calls": ((True, False), "tool calling is not supported (parallel_tool_calls)"),

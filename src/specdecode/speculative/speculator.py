@@ -25,7 +25,9 @@ from specdecode.engine.runner import ForwardResult, Runner
 from specdecode.engine.sequence import Sequence
 from specdecode.engine.step_output import StepOutput
 from specdecode.errors import ConfigError
-from specdecode.sampling import SamplingBatch, sample
+from specdecode.logit_adjust import path_tokens
+from specdecode.logprobs import token_logprobs
+from specdecode.sampling import RowMasks, SamplingBatch, sample
 from specdecode.speculative.config import SpeculativeConfig
 from specdecode.speculative.policy.controller import DepthController
 from specdecode.speculative.policy.cost_model import load_or_profile
@@ -34,6 +36,7 @@ from specdecode.speculative.propose.registry import PROPOSERS
 from specdecode.speculative.verify.chain import Verified, skip_uniform_draws, verify
 from specdecode.speculative.verify.kv import compact_accepted
 from specdecode.speculative.verify.tree import node_depths, tree_attention_mask, verify_tree
+from specdecode.structured import constrain_chain, constrain_tree
 from specdecode.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,7 @@ class Speculator:
         if self.depth.needs_cost_model:
             self.depth.cost  # profile now, before any request owns a KV slot
         self.k = config.num_speculative_tokens
+        self.vocab_size = runner.model.config.vocab_size
 
     @property
     def hidden_taps(self) -> tuple[int, ...]:
@@ -99,6 +103,7 @@ class Speculator:
 
     def _step(self, seqs: list[Sequence], sampling: SamplingBatch) -> StepOutput:
         plan = self.depth.plan(seqs, [self.proposer.pending_tokens(s) for s in seqs])
+        grammar = None  # chains: grammar masks at every verification position of the constrained rows
 
         t0 = time.perf_counter()
         if plan.drafts:
@@ -108,6 +113,10 @@ class Speculator:
             if draft.parents is None:  # n_min and D-Cut shape chains; trees come shaped by their drafter
                 confidence = draft.confidence.tolist() if draft.confidence is not None else None
                 draft = draft.truncate(self.depth.verify_lengths(seqs, num_tokens, confidence))
+                if sampling.constrained:  # a draft ends before the first token its grammar forbids
+                    kept, grammar = constrain_chain(sampling.grammars, draft.token_ids.tolist(),
+                                                    draft.num_tokens.tolist(), self.k + 1, self.vocab_size)
+                    draft = draft.truncate(kept)
         else:
             # A tree engine verifies through the tree walk even when nobody drafted: each seeded row's
             # random draws per step are then the same whatever the rest of the batch drafted.
@@ -118,11 +127,13 @@ class Speculator:
 
         if draft.parents is not None:
             # For metrics a tree offers as many draft tokens as its deepest path.
-            result, verified, num_draft = self._verify_tree(seqs, draft, num_draft, plan.max_tokens, sampling)
+            result, verified, num_draft, logits, rows = self._verify_tree(seqs, draft, num_draft, plan.max_tokens,
+                                                                          sampling)
         else:
-            result, verified = self._verify_chain(seqs, draft, num_draft, sampling)
+            result, verified, logits, rows = self._verify_chain(seqs, draft, num_draft, sampling, grammar)
         num_accepted = verified.num_accepted.tolist()
         tokens = verified.token_ids.tolist()
+        logprobs = self._committed_logprobs(seqs, logits, rows, tokens, num_accepted, verified.path)
         t2 = time.perf_counter()
 
         confidence_host = None
@@ -132,9 +143,46 @@ class Speculator:
                           time.perf_counter() - t0)
         self.proposer.on_commit(seqs, draft, verified, result)  # last: the drafter commits once nothing can fail
         return StepOutput(seqs, [row[: a + 1] for row, a in zip(tokens, num_accepted)], [1 + a for a in num_accepted],
-                          num_draft=num_draft, num_accepted=num_accepted, draft_seconds=t1 - t0, verify_seconds=t2 - t1)
+                          num_draft=num_draft, num_accepted=num_accepted, draft_seconds=t1 - t0, verify_seconds=t2 - t1,
+                          logprobs=logprobs)
 
-    def _verify_chain(self, seqs, draft: Draft, num_draft: list[int], sampling: SamplingBatch):
+    def _position_rows(self, seqs, sampling: SamplingBatch, token_ids: torch.Tensor, parents: torch.Tensor | None,
+                       grammar: RowMasks | None) -> SamplingBatch | None:
+        """One sampling row per verification position [root, drafts...] of every sequence, with the
+        draft tokens before it as context and its grammar mask; None when nothing needs them
+        (no adjustment, no grammar, no logprobs: the verifier then repeats rows itself)."""
+        if not (sampling.adjust is not None or grammar is not None or any(s.params.logprobs is not None for s in seqs)):
+            return None
+        B, width = token_ids.shape[0], token_ids.shape[1] + 1
+        context = path_tokens(token_ids, parents).view(B * width, width - 1) if sampling.adjust is not None else None
+        return sampling.repeat_rows([width] * B).with_context(context, grammar)
+
+    def _committed_logprobs(self, seqs, logits: torch.Tensor, rows: SamplingBatch | None, tokens: list[list[int]],
+                            num_accepted: list[int], path: torch.Tensor | None) -> list | None:
+        """Logprobs of each committed token, for the sequences that asked: the target's logits at
+        the token's verification row (chain: position j; tree: the accepted node's row), processed
+        with that row's context, as plain decoding would process them."""
+        asked = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
+        if not asked:
+            return None
+        B, width, V = logits.shape
+        path_host = path.tolist() if path is not None else None
+        flat, committed, tops = [], [], []
+        for b in asked:
+            for j in range(num_accepted[b] + 1):
+                flat.append(b * width + (j if path_host is None or j == 0 else path_host[b][j - 1] + 1))
+                committed.append(tokens[b][j])
+                tops.append(seqs[b].params.logprobs)
+        index = torch.tensor(flat, device=logits.device)
+        values = iter(token_logprobs(logits.reshape(B * width, V)[index], rows.select(flat), committed, tops))
+        out: list = [None] * len(seqs)
+        for b in asked:
+            out[b] = [next(values) for _ in range(num_accepted[b] + 1)]
+        return out
+
+    def _verify_chain(self, seqs, draft: Draft, num_draft: list[int], sampling: SamplingBatch,
+                      grammar: RowMasks | None):
+        """(forward result, Verified, logits [B, W, V] at the verification positions, their rows)."""
         drafts_host = draft.token_ids.tolist()
         entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
                                 num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
@@ -144,10 +192,11 @@ class Speculator:
             # The seeded rows still draw their k uniforms, so their random streams stay batch-independent.
             skip_uniform_draws(self.k, sampling.generators, self.target.device)
             final = sample(result.logits[:, 0], sampling)
-            return result, Verified(final[:, None], torch.zeros_like(final))
+            return result, Verified(final[:, None], torch.zeros_like(final)), result.logits[:, :1], sampling
         draft = draft.pad_to(self.k)  # fixed width k: per-request random draws never depend on the batch
         logits = _pad_logits(result.logits, self.k + 1)
-        return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling)
+        rows = self._position_rows(seqs, sampling, draft.token_ids, None, grammar)
+        return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling, rows), logits, rows
 
     def _verify_tree(self, seqs, draft: Draft, num_nodes: list[int], limits: list[int], sampling: SamplingBatch):
         draft = draft.truncate(num_nodes)  # nodes past a row's count must never match in the walk
@@ -167,13 +216,21 @@ class Speculator:
         draft = draft.drop_rows(too_big)
         result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
         width = draft.token_ids.shape[1]
-        verified, path = verify_tree(draft.token_ids, draft.parents, _pad_logits(result.logits, width + 1), sampling,
-                                     self.proposer.max_tree_depth)
+        token_ids, grammar = draft.token_ids, None
+        if sampling.constrained:  # nodes the grammar forbids (and their subtrees) match no draw
+            dropped = set(too_big)
+            walked, grammar = constrain_tree(
+                sampling.grammars, [[-1] * width if b in dropped else t for b, t in enumerate(tokens)],
+                [[-2] * width if b in dropped else p for b, p in enumerate(parents)], width + 1, self.vocab_size)
+            token_ids = torch.tensor(walked, dtype=torch.long, device=token_ids.device).view(len(seqs), width)
+        logits = _pad_logits(result.logits, width + 1)
+        rows = self._position_rows(seqs, sampling, draft.token_ids, draft.parents, grammar)
+        verified, path = verify_tree(token_ids, draft.parents, logits, sampling, self.proposer.max_tree_depth, rows)
         device = self.target.device
         compact_accepted(self.target.runner.kv_cache, torch.tensor([s.slot for s in seqs], device=device),
                          torch.tensor([s.num_cached for s in seqs], device=device), path, verified.num_accepted)
         verified.path = path
-        return result, verified, tree_depths
+        return result, verified, tree_depths, logits, rows
 
 
 def _pad_logits(logits: torch.Tensor, width: int) -> torch.Tensor:

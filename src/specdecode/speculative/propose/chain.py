@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import SamplingBatch, process_logits, race_noise
+from specdecode.sampling import RowMasks, SamplingBatch, adjust_logits, bitmask_words, process_logits, race_noise
 from specdecode.speculative.propose.proposer import Draft
 
 
@@ -19,6 +19,11 @@ class ChainDraft:
     p_min, and that token is dropped.
     stop (D-Cut's drafting half, `DepthController.keep_drafting`): after each step, given every
     row's confidences so far, which still-drafting rows are worth another drafter step.
+
+    The drafter's logits get the target's adjustments (`adjust_logits`): penalties and bad words
+    count the tokens drafted so far, and a constrained row drafts under its grammar's mask,
+    walked on a fork of its committed state, so drafts stay inside the grammar and acceptance
+    does not collapse.
     """
 
     def __init__(self, batch_size: int, k: int, vocab_size: int, device, p_min: float = 0.0, stop=None):
@@ -30,11 +35,28 @@ class ChainDraft:
         self.p_min = p_min
         self.stop = stop
         self.tops: list[list[float]] = [[] for _ in range(batch_size)]  # host confidences of kept drafts (stop only)
+        self.forks: dict = {}  # row -> GrammarState after its drafted tokens (constrained rows)
+
+    def _grammar_masks(self, active: list[int], sampling: SamplingBatch, vocab: int) -> RowMasks | None:
+        """Masks of the next draft token of the active constrained rows, from their forks."""
+        rows = [j for j, b in enumerate(active) if sampling.grammars[b] is not None]
+        if not rows:
+            return None
+        bitmask = torch.empty(len(rows), bitmask_words(vocab), dtype=torch.int32)
+        for g, j in enumerate(rows):
+            b = active[j]
+            if b not in self.forks:
+                self.forks[b] = sampling.grammars[b].fork()
+            self.forks[b].fill_mask(bitmask[g])
+        return RowMasks(rows, bitmask)
 
     def add_step(self, active: list[int], step: int, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
         """logits [A, V] of the active rows -> the drafted token of each active row (-1 = stopped by p_min)."""
         rows = torch.tensor(active, device=self.device)
         sub = sampling.select(active)
+        if sub.adjusts or sampling.constrained:
+            sub = sub.with_context(self.token_ids[rows, :step], self._grammar_masks(active, sampling, logits.shape[-1]))
+            logits = adjust_logits(logits, sub)
         q = process_logits(logits, sub)  # [A, V]
         chosen = logits.argmax(dim=-1)
         if not sub.all_greedy:
@@ -49,6 +71,10 @@ class ChainDraft:
             chosen = torch.where(top >= self.p_min, chosen, torch.full_like(chosen, -1))
         self.token_ids[rows, step] = chosen
         chosen_host = chosen.tolist()
+        for j, b in enumerate(active):  # constrained rows advance their fork; a token it refuses ends the row
+            if b in self.forks and chosen_host[j] >= 0 and not self.forks[b].accept(chosen_host[j]):
+                chosen_host[j] = -1
+                self.token_ids[b, step] = -1
         tops = top.tolist() if self.stop is not None else [None] * len(active)
         for b, token, t in zip(active, chosen_host, tops):
             if token >= 0:

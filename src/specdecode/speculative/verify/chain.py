@@ -20,8 +20,11 @@ position is the race argmax(p / E) with noise E a pure function of (seed, positi
 exactly what plain decoding draws there, and x_i is accepted while it equals that token.
 Lossless by construction, and the output is plain decoding's, token for token.
 
-p and q are the *processed* distributions (temperature, top-k, top-p), computed by the
-same `process_logits` that non-speculative sampling uses.
+p and q are the *processed* distributions (adjustments, then temperature, min_p, top-k,
+top-p), computed by the same `adjust_logits` and `process_logits` that non-speculative
+sampling uses. Verification row j of a sequence (the target's logits after x_1..x_j) is
+adjusted with x_1..x_j as context and under the grammar's mask after them (`rows`, built by
+the speculator), exactly what plain decoding would use had it produced x_1..x_j.
 
 Shapes are fixed and padded with -1 so the batch stays ragged without Python loops over
 tokens: every row b has its own num_draft[b] <= k.
@@ -33,7 +36,7 @@ import dataclasses
 
 import torch
 
-from specdecode.sampling import SamplingBatch, exponential_noise, process_logits, race_noise
+from specdecode.sampling import SamplingBatch, adjust_logits, exponential_noise, process_logits, race_noise
 
 
 @dataclasses.dataclass(slots=True)
@@ -66,9 +69,13 @@ def verify(
     draft_probs: torch.Tensor | None,  # [B, k, V] processed q, or None for one-hot drafts
     target_logits: torch.Tensor,  # [B, k + 1, V] float32 at [last token, x_1 .. x_k]
     sampling: SamplingBatch,  # one row per sequence
+    rows: SamplingBatch | None = None,  # B * (k + 1) rows, one per position, with draft context; None = repeats
 ) -> Verified:
     B, k = draft_token_ids.shape
     device = target_logits.device
+    V = target_logits.shape[-1]
+    if rows is not None and rows.adjusts:
+        target_logits = adjust_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
     positions = torch.arange(k, device=device)[None, :]  # [1, k]
     in_draft = positions < num_draft[:, None]  # [B, k]
     safe_drafts = draft_token_ids.clamp(min=0)
@@ -76,10 +83,10 @@ def verify(
     # Deterministic rule (greedy and keyed rows): accept while the draft equals the target's own
     # choice; the token at the first mismatch (or after the last draft) is its choice there.
     choice = target_logits.argmax(dim=-1)  # [B, k + 1]
-    V = target_logits.shape[-1]
     p = None
-    if sampling.keyed_rows:
+    if rows is None and (sampling.keyed_rows or not sampling.all_deterministic):
         rows = sampling.repeat_rows([k + 1] * B)
+    if sampling.keyed_rows:
         keyed = torch.tensor(sampling.keyed_rows, device=device)
         p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
         noise = race_noise(rows.select([r * (k + 1) + j for r in sampling.keyed_rows for j in range(k + 1)]), V)
@@ -93,7 +100,6 @@ def verify(
 
     # Sampling rule (rows with temperature > 0 that are not keyed).
     if p is None:
-        rows = sampling.repeat_rows([k + 1] * B)
         p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
     p_draft = p[:, :k].gather(2, safe_drafts[:, :, None])[:, :, 0]  # [B, k] p(x_i)
     if draft_probs is None:

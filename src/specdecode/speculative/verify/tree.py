@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import SamplingBatch, process_logits, race_noise
+from specdecode.sampling import SamplingBatch, adjust_logits, process_logits, race_noise
 from specdecode.speculative.verify.chain import Verified
 
 
@@ -52,20 +52,26 @@ def verify_tree(
     target_logits: torch.Tensor,  # [B, n + 1, V] at [root, node 0, ..., node n-1]
     sampling: SamplingBatch,
     max_depth: int,  # fixed per engine, so seeded rows draw the same noise whatever the batch
+    rows: SamplingBatch | None = None,  # B * (n + 1) rows [root, nodes] with their path as context; None = repeats
 ) -> tuple[Verified, torch.Tensor]:
     """Returns Verified (token_ids [B, max_depth + 1], -1 padded) and the accepted nodes
-    path [B, max_depth] (node indices along the accepted path, -1 padded)."""
+    path [B, max_depth] (node indices along the accepted path, -1 padded). Each row is
+    adjusted with its node's path as context (`rows`), as plain decoding would be there."""
     if token_ids.shape[1] == 0:  # no row drafted: one padding node that matches nothing
         token_ids = token_ids.new_full((token_ids.shape[0], 1), -1)
         parents = parents.new_full((parents.shape[0], 1), -2)
         target_logits = torch.cat([target_logits[:, :1], target_logits[:, :1]], dim=1)
+        if rows is not None:
+            rows = rows.select([b for b in range(token_ids.shape[0]) for _ in range(2)])
     B, n = token_ids.shape
     V = target_logits.shape[-1]
     device = target_logits.device
+    if rows is not None and rows.adjusts:
+        target_logits = adjust_logits(target_logits.reshape(B * (n + 1), V), rows).view(B, n + 1, V)
     if sampling.all_greedy:
         draws = target_logits.argmax(dim=-1)  # [B, n + 1] the target's token after each node
     else:
-        rows = sampling.repeat_rows([n + 1] * B)
+        rows = rows if rows is not None else sampling.repeat_rows([n + 1] * B)
         probs = process_logits(target_logits.reshape(B * (n + 1), V), rows).view(B, n + 1, V)
         # One noise row per depth level and sequence: level d's draw is used at the depth-d node
         # (keyed rows: the noise of position root + d, as plain decoding draws it).
