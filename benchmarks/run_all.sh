@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Measure every benchmark of BENCHMARKS.md on this machine and regenerate it.
 #   bash benchmarks/run_all.sh                      # everything
-#   bash benchmarks/run_all.sh spec concurrency     # only these sections (engine spec mtbench concurrency calibration serve exact qat deepseek)
+#   bash benchmarks/run_all.sh spec concurrency     # only these sections (engine spec mtbench concurrency calibration serve exact qat deepseek api)
 # Needs the bench extras: pip install -e ".[test,bench,peers]"
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +26,7 @@ import json, sys
 keys = ["spec", "mtbench", "concurrency", "calibration", "exact", "qat_mismatch", "qat_matched", "deepseek"]
 json.dump(dict(zip(keys, sys.argv[1:])), open("benchmarks/results/commands.json", "w"), indent=2)
 PY
-SECTIONS="${*:-engine spec mtbench concurrency calibration serve exact qat deepseek}"
+SECTIONS="${*:-engine spec mtbench concurrency calibration serve exact qat deepseek api}"
 want() { [[ " $SECTIONS " == *" $1 "* ]]; }
 if want engine; then python benchmarks/engine_bench.py --out "$R/engine.json"; fi
 if want spec; then eval "$SPEC"; fi
@@ -36,6 +36,7 @@ if want calibration; then eval "$CALIB"; fi
 if want exact; then eval "$EXACT"; fi
 if want qat; then mkdir -p "$R/qat_mismatch"; eval "$QAT_MISMATCH"; eval "$QAT_MATCHED"; python benchmarks/qat_tables.py mismatch; python benchmarks/qat_tables.py matched; fi
 if want deepseek; then mkdir -p "$R/deepseek"; eval "$DEEPSEEK"; fi
+if want api; then bash benchmarks/api_bench.sh; fi
 if want serve; then
     python -m specdecode.bench.loadgen --concurrency 1,4,16,64 --max-tokens 64 \
         --speculative-config '{"method": "draft_model", "num_speculative_tokens": 3}' --out "$R/serve"

@@ -251,6 +251,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--num-prompts", type=int, default=20, help="first N prompts of the set (0 = all)")
     p.add_argument("--max-tokens", type=int, default=128, help="new tokens per prompt (EOS ignored: equal work)")
     p.add_argument("--concurrency", default="1", help="comma-separated batch sizes, e.g. 1,4,16")
+    p.add_argument("--sampling", type=_json_object, default={}, metavar="JSON",
+                   help='more SamplingParams fields for every request (every method alike), e.g. \'{"logprobs": 5}\', '
+                        '\'{"frequency_penalty": 0.5}\' or \'{"structured_outputs": {"json": {"type": "object"}}}\'')
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,0.8")
     p.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     p.add_argument("--seed", type=int, default=0)
@@ -275,7 +278,7 @@ def _run_bench(args) -> int:
                       hf_overrides=args.hf_overrides, exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
                       out_dir=Path(args.out),
                       repeats=args.repeats,
-                      peers=[p for p in args.peers.split(",") if p])
+                      peers=[p for p in args.peers.split(",") if p], sampling=args.sampling)
     print(markdown_table(run_bench(cfg)))
     return 0
 

@@ -57,6 +57,8 @@ class BenchConfig:
     out_dir: Path = Path("bench_out")
     peers: list[str] = dataclasses.field(default_factory=list)  # PEERS
     repeats: int = 1  # measured passes over the prompts per configuration (interleaved with the other methods)
+    # More SamplingParams fields for every request (penalties, logprobs, structured_outputs, ...), the same for every method
+    sampling: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.exact, bool):
@@ -100,7 +102,8 @@ def run_bench(cfg: BenchConfig) -> dict:
     for temperature in cfg.temperatures:
         # Seeds per prompt: sampled runs draw the same way for every method.
         params = [SamplingParams(temperature=temperature, max_tokens=cfg.max_tokens, ignore_eos=True,
-                                 seed=None if temperature == 0 else cfg.seed + i) for i in range(len(prompts))]
+                                 seed=None if temperature == 0 else cfg.seed + i, **cfg.sampling)
+                  for i in range(len(prompts))]
         for concurrency in cfg.concurrency:
             bar.set_postfix(T=temperature, c=concurrency)
             engines = [(exact, method) for exact in cfg.exact for method in cfg.methods]
