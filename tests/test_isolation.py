@@ -16,7 +16,6 @@ import dataclasses
 import logging
 
 import pytest
-import test_conformance
 from helpers import PROMPT_IDS
 
 from specdecode import LLM, SamplingParams
@@ -29,7 +28,6 @@ PROMPTS = [{"prompt_token_ids": PROMPT_IDS[i % 4] + [3 + i]} for i in range(N)]
 CASES = [("ngram", "chain"), ("draft_model", "chain"), ("eagle3", "chain"), ("eagle3", "dynamic tree"),
          ("medusa", "static tree"), ("dflash", "chain")]
 _clean: dict[str, list[list[int]]] = {}
-spec_config = test_conformance.spec_config  # the conformance suite's fixture: one case's speculative_config
 
 
 class InjectedError(RuntimeError):
