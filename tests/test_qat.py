@@ -77,6 +77,8 @@ def test_matched_qat_training_resumes_serves_and_equals_the_quantised_target(nat
 
     provenance = json.loads((out / "config.json").read_text())["specdecode"]
     assert (provenance["target_quantization"], provenance["qat"]) == ("int4-g32", "int4-g32")
+    # Shipped as the tensors it is served with: every QAT layer stored int4 (models/quant.py).
+    assert provenance["stored_quantization"] == "int4-g32" and any(k.endswith(".qweight") for k in b)
     assert (report["target_quantization"], report["qat"]) == ("int4-g32", "int4-g32")
 
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -191,3 +193,27 @@ def test_shipped_matched_drafters_are_picked_for_int4_and_lossless(method, caplo
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
     accepted = sum(o.metrics.num_accepted_tokens for o in outputs) / sum(o.metrics.num_draft_tokens for o in outputs)
     assert accepted > 0.4
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_checkpoint_storing_its_layers_quantised_serves_exactly_the_latent_ones(trained_drafters, tmp_path, method):
+    """store_quantized keeps what serving at that scheme multiplies by, bit for bit, at a third of
+    the bytes; other precisions see the dense weights those tensors dequantise to."""
+    from specdecode.models.checkpoint import read_checkpoint, store_quantized
+    from specdecode.models.inference import prepare_for_inference
+    from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
+
+    latent = trained_drafters[method]
+    packed = tmp_path / "packed"
+    shutil.copytree(latent, packed)
+    module = load_drafter(latent, torch.float32, "cpu")
+    linears = {n: m.weight for n, m in module.named_modules() if isinstance(m, torch.nn.Linear) and m.in_features % 32 == 0}
+    assert sorted(store_quantized(packed, linears, INT4)) == sorted(linears)
+    assert (packed / "model.safetensors").stat().st_size < 0.5 * (latent / "model.safetensors").stat().st_size
+    served = [prepare_for_inference(load_drafter(d, torch.bfloat16, "cpu"), d, torch.bfloat16, "cpu", INT4).state_dict()
+              for d in (latent, packed)]
+    assert served[0].keys() == served[1].keys() and all(torch.equal(served[0][k], served[1][k]) for k in served[0])
+    _, dense = read_checkpoint(packed, "drafter")
+    for name, weight in linears.items():
+        expected = QuantizedLinear.from_weight(weight.to(torch.bfloat16).float(), None, INT4).dequantize()
+        assert torch.equal(dense[f"{name}.weight"], expected)

@@ -3,9 +3,10 @@
 Engine choice, measured on this CPU with the default model's tokenizer
 (`benchmarks/grammar_engines.py`, README "Structured outputs"): mask + consume per token 14-16 us
 (JSON schema) / 32-36 us (regex) for llguidance, 3.9 / 20 us for xgrammar, 5.6 / 5.3 us for
-outlines-core. All are far below one decoding step (~3 ms); xgrammar installs triton (about
-1 GB) on x86, and outlines-core compiles regular languages only (no `grammar`), so llguidance,
-with no dependencies and full context-free grammars, is the one specdecode uses.
+outlines-core. xgrammar's lead (10-15 us a token, 2-4% of a speculative step for a constrained
+request) does not pay for the triton (about 1 GB) it installs on x86, and outlines-core compiles
+regular languages only (no `grammar`), so llguidance, with no dependencies and full context-free
+grammars, is the one specdecode uses.
 
 Each constrained sequence owns a `GrammarState`: its matcher after the committed tokens, which
 only the scheduler advances (`consume`), one token at a time as tokens are committed.

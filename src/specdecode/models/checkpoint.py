@@ -1,5 +1,6 @@
 """Trained checkpoints, target or drafter: one folder each, HF-style (config.json + bf16
-safetensors + the tokenizer files + training_report.json). `save_checkpoint` is the one writer."""
+safetensors + the tokenizer files + training_report.json). `save_checkpoint` writes them;
+`store_quantized` turns a QAT drafter's layers into the quantised tensors it is served with."""
 
 from __future__ import annotations
 
@@ -44,12 +45,40 @@ def save_checkpoint(state: dict[str, torch.Tensor], config: dict, out: Path, tar
 
 
 def read_checkpoint(path: Path, kind: str) -> tuple[dict, dict[str, torch.Tensor]]:
-    """(config, tensors) of a drafter folder; a clear error when it is not one."""
+    """(config, tensors) of a drafter folder; a clear error when it is not one. Layers the
+    checkpoint stores quantised come back as their dense (dequantised) weights."""
     from safetensors.torch import load_file
 
     try:
-        return json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
+        config, state = json.loads((path / "config.json").read_text()), load_file(str(path / "model.safetensors"))
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{path} is not a {kind} checkpoint: {e}") from None
     except Exception as e:  # safetensors' own error types for truncated files
         raise ModelLoadError(f"{path}: model.safetensors is corrupt: {e}") from None
+    from specdecode.models.quant import dequantize_stored_state, stored_scheme
+
+    scheme = stored_scheme(path)
+    if scheme is not None:  # layers stored quantised (models/quant.py): their dense weights for the module
+        state = dequantize_stored_state(state, scheme)
+    return config, state
+
+
+def store_quantized(out: Path, linears: dict[str, torch.Tensor], scheme) -> list[str]:
+    """Rewrite the checkpoint in `out` with these linear layers (name -> the module's weight)
+    stored quantised as `scheme` serves them (models/quant.py), where the saved tensor is that
+    weight; returns the names stored. A drafter trained quantisation-aware for `scheme` is then
+    shipped as the weights it is served with (int4: about a third of the bytes)."""
+    from safetensors.torch import load_file, save_file
+
+    from specdecode.models.quant import store_quantized_state
+
+    state = load_file(str(out / "model.safetensors"))
+    names = [name for name, weight in linears.items() if f"{name}.weight" in state
+             and torch.equal(state[f"{name}.weight"], weight.detach().to(torch.bfloat16).cpu())]
+    if not names:
+        return []
+    save_file(store_quantized_state(state, names, scheme), str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config.setdefault("specdecode", {})["stored_quantization"] = scheme.name
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return names

@@ -17,7 +17,7 @@ from specdecode.errors import ModelLoadError
 from specdecode.models.config import ModelConfig
 from specdecode.models.inference import prepare_for_inference
 from specdecode.models.llama import LlamaForCausalLM
-from specdecode.models.quant import QuantScheme
+from specdecode.models.quant import QuantScheme, dequantize_stored_state, stored_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
             state.update(load_file(str(f)))
         except Exception as e:  # safetensors raises its own error types for truncated/corrupt files
             raise ModelLoadError(f"{f} is corrupt or truncated: {e}") from None
+    scheme = stored_scheme(path)
+    if scheme is not None:  # layers stored quantised (a QAT draft model): their dense weights for the module
+        state = dequantize_stored_state(state, scheme)
     return state
 
 

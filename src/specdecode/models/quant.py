@@ -290,6 +290,90 @@ class QuantCache:
         self.dirty = False
 
 
+# ---- checkpoints that store their linear layers quantised ----------------------------------------
+# A drafter trained quantisation-aware for one scheme is served with `quantize_weight(bf16(w))` of
+# each linear layer; its checkpoint can hold exactly those tensors instead of w (int4-g32: 0.625
+# bytes a weight instead of 2). config.json's specdecode.stored_quantization names the scheme;
+# layer P is stored as P.qweight (int8 / packed uint8), P.scales and, for int4, P.zeros (bf16: they
+# are bf16 values). Served at that scheme the layers are these tensors, bit for bit; anything else
+# (another scheme, no quantisation, training) sees the dense weights they dequantise to.
+
+_STORED_PARTS = ("qweight", "scales", "zeros")
+
+
+def store_quantized_state(state: dict[str, torch.Tensor], linear_names: list[str],
+                          scheme: QuantScheme) -> dict[str, torch.Tensor]:
+    """`state` with each named linear layer's weight (P.weight) replaced by its stored quantised form."""
+    out = dict(state)
+    for name in linear_names:
+        weight = out.pop(f"{name}.weight", None)
+        if weight is None:
+            continue
+        for part, tensor in quantize_weight(weight.detach().to(torch.bfloat16).float(), scheme).items():
+            out[f"{name}.{part}"] = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+    return out
+
+
+def stored_quantized_layers(state: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """{P: {qweight, scales[, zeros]}} of every layer a checkpoint stores quantised (float32 scales)."""
+    layers: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        name, _, part = key.rpartition(".")
+        if part in _STORED_PARTS and f"{name}.qweight" in state:
+            layers.setdefault(name, {})[part] = tensor.float() if tensor.is_floating_point() else tensor
+    return layers
+
+
+def dequantize_stored_state(state: dict[str, torch.Tensor], scheme: QuantScheme) -> dict[str, torch.Tensor]:
+    """A checkpoint's tensors with every stored quantised layer as its dense float32 weight
+    (P.weight: exactly what the int kernels multiply by)."""
+    layers = stored_quantized_layers(state)
+    out = {k: v for k, v in state.items() if k.rpartition(".")[0] not in layers}
+    for name, stored in layers.items():
+        N = stored["qweight"].shape[0]
+        K = stored["qweight"].shape[1] * (2 if scheme.bits == 4 else 1)
+        out[f"{name}.weight"] = QuantizedLinear(stored, K, N, scheme).dequantize()
+    return out
+
+
+class StoredQuantized:
+    """quantize_module's `cache` for a checkpoint that stores its layers quantised: a fused layer
+    (q/k/v, gate/up) is its members' stored rows, concatenated (quantisation is per output row)."""
+
+    def __init__(self, layers: dict[str, dict[str, torch.Tensor]]):
+        self.layers = layers
+
+    def get(self, name: str) -> dict[str, torch.Tensor] | None:
+        from specdecode.models.llama import FUSED_MEMBERS
+
+        if name in self.layers:
+            return self.layers[name]
+        owner, _, fused = name.rpartition(".")
+        members = [f"{owner}.{m}" if owner else m for m in FUSED_MEMBERS.get(fused, ())]
+        if not members or not all(m in self.layers for m in members):
+            return None
+        return {part: torch.cat([self.layers[m][part] for m in members]) for part in self.layers[members[0]]}
+
+    def put(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        """A layer the checkpoint keeps dense is quantised at load; nothing to record."""
+
+    def save(self) -> None:
+        pass
+
+
+def stored_scheme(model_dir: Path | None) -> QuantScheme | None:
+    """The scheme a checkpoint stores its linear layers in (config.json specdecode.stored_quantization)."""
+    if model_dir is None or not (Path(model_dir) / "config.json").is_file():
+        return None
+    import json
+
+    try:
+        spec = json.loads((Path(model_dir) / "config.json").read_text()).get("specdecode", {}).get("stored_quantization")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return QuantScheme.parse(spec) if spec else None
+
+
 def checkpoint_hash(model_dir: Path) -> str:
     """sha256 of the checkpoint's config and weight files (content, not paths or mtimes)."""
     digest = hashlib.sha256()
@@ -306,6 +390,12 @@ def checkpoint_hash(model_dir: Path) -> str:
 def quantize_checkpoint_model(module: nn.Module, model_dir: Path | None, scheme: QuantScheme | None) -> nn.Module:
     """quantize_module with the on-disk cache of `model_dir`'s checkpoint (None: no cache)."""
     if scheme is None:
+        return module
+    if stored_scheme(model_dir) == scheme:  # the checkpoint holds these very tensors: nothing to quantise
+        from safetensors.torch import load_file
+
+        quantize_module(module, scheme, StoredQuantized(stored_quantized_layers(
+            load_file(str(Path(model_dir) / "model.safetensors")))))
         return module
     cache = QuantCache.for_checkpoint(model_dir, scheme) if model_dir is not None else None
     quantize_module(module, scheme, cache)

@@ -133,7 +133,7 @@ class Speculator:
             result, verified, logits, rows = self._verify_chain(seqs, draft, num_draft, sampling, grammar)
         num_accepted = verified.num_accepted.tolist()
         tokens = verified.token_ids.tolist()
-        logprobs = self._committed_logprobs(seqs, logits, rows, tokens, num_accepted, verified.path)
+        logprobs = self._committed_logprobs(seqs, sampling, logits, rows, tokens, num_accepted, verified.path)
         t2 = time.perf_counter()
 
         confidence_host = None
@@ -146,19 +146,19 @@ class Speculator:
                           num_draft=num_draft, num_accepted=num_accepted, draft_seconds=t1 - t0, verify_seconds=t2 - t1,
                           logprobs=logprobs)
 
-    def _position_rows(self, seqs, sampling: SamplingBatch, token_ids: torch.Tensor, parents: torch.Tensor | None,
+    def _position_rows(self, sampling: SamplingBatch, token_ids: torch.Tensor, parents: torch.Tensor | None,
                        grammar: RowMasks | None) -> SamplingBatch | None:
         """One sampling row per verification position [root, drafts...] of every sequence, with the
-        draft tokens before it as context and its grammar mask; None when nothing needs them
-        (no adjustment, no grammar, no logprobs: the verifier then repeats rows itself)."""
-        if not (sampling.adjust is not None or grammar is not None or any(s.params.logprobs is not None for s in seqs)):
+        draft tokens before it as context and its grammar mask; None when no row is adjusted or
+        constrained (the verifier then repeats rows itself where it samples)."""
+        if sampling.adjust is None and grammar is None:
             return None
         B, width = token_ids.shape[0], token_ids.shape[1] + 1
         context = path_tokens(token_ids, parents).view(B * width, width - 1) if sampling.adjust is not None else None
         return sampling.repeat_rows([width] * B).with_context(context, grammar)
 
-    def _committed_logprobs(self, seqs, logits: torch.Tensor, rows: SamplingBatch | None, tokens: list[list[int]],
-                            num_accepted: list[int], path: torch.Tensor | None) -> list | None:
+    def _committed_logprobs(self, seqs, sampling: SamplingBatch, logits: torch.Tensor, rows: SamplingBatch | None,
+                            tokens: list[list[int]], num_accepted: list[int], path: torch.Tensor | None) -> list | None:
         """Logprobs of each committed token, for the sequences that asked: the target's logits at
         the token's verification row (chain: position j; tree: the accepted node's row), processed
         with that row's context, as plain decoding would process them."""
@@ -174,7 +174,13 @@ class Speculator:
                 committed.append(tokens[b][j])
                 tops.append(seqs[b].params.logprobs)
         index = torch.tensor(flat, device=logits.device)
-        values = iter(token_logprobs(logits.reshape(B * width, V)[index], rows.select(flat), committed, tops))
+        if rows is not None:
+            picked = rows.select(flat)
+        else:  # no context to carry: the asking rows' parameters, one row per committed position
+            owner = {b: i for i, b in enumerate(asked)}
+            picked = sampling.select(asked).repeat_rows([width] * len(asked)).select(
+                [owner[f // width] * width + f % width for f in flat])
+        values = iter(token_logprobs(logits.reshape(B * width, V)[index], picked, committed, tops))
         out: list = [None] * len(seqs)
         for b in asked:
             out[b] = [next(values) for _ in range(num_accepted[b] + 1)]
@@ -195,7 +201,7 @@ class Speculator:
             return result, Verified(final[:, None], torch.zeros_like(final)), result.logits[:, :1], sampling
         draft = draft.pad_to(self.k)  # fixed width k: per-request random draws never depend on the batch
         logits = _pad_logits(result.logits, self.k + 1)
-        rows = self._position_rows(seqs, sampling, draft.token_ids, None, grammar)
+        rows = self._position_rows(sampling, draft.token_ids, None, grammar)
         return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling, rows), logits, rows
 
     def _verify_tree(self, seqs, draft: Draft, num_nodes: list[int], limits: list[int], sampling: SamplingBatch):
@@ -224,7 +230,7 @@ class Speculator:
                 [[-2] * width if b in dropped else p for b, p in enumerate(parents)], width + 1, self.vocab_size)
             token_ids = torch.tensor(walked, dtype=torch.long, device=token_ids.device).view(len(seqs), width)
         logits = _pad_logits(result.logits, width + 1)
-        rows = self._position_rows(seqs, sampling, draft.token_ids, draft.parents, grammar)
+        rows = self._position_rows(sampling, draft.token_ids, draft.parents, grammar)
         verified, path = verify_tree(token_ids, draft.parents, logits, sampling, self.proposer.max_tree_depth, rows)
         device = self.target.device
         compact_accepted(self.target.runner.kv_cache, torch.tensor([s.slot for s in seqs], device=device),

@@ -21,6 +21,7 @@ import torch
 from specdecode.defaults import default_model_dir
 from specdecode.device import resolve_device
 from specdecode.errors import ConfigError
+from specdecode.models.checkpoint import store_quantized
 from specdecode.models.loader import load_model
 from specdecode.models.quant import QuantScheme
 from specdecode.tokenizer import Tokenizer
@@ -191,8 +192,9 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
     drafter = recipe.build(full_target, cfg, train_tokens).to(device).train()
     if cfg.init_from is not None:
         load_initial_weights(drafter, cfg.init_from)
+    qat_layers = []
     if cfg.qat is not None:
-        enable_qat(drafter, QuantScheme.parse(cfg.qat), exclude=(full_target, target))
+        qat_layers = enable_qat(drafter, QuantScheme.parse(cfg.qat), exclude=(full_target, target))
     del full_target
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -216,5 +218,8 @@ def train_drafter(cfg: DrafterTrainConfig, resume: bool = False) -> dict:
         "before_training": before, **after,
     }
     recipe.export(drafter, target, cfg, report)
+    if qat_layers:  # ship the weights it is served with: its QAT layers stored quantised
+        modules = dict(drafter.named_modules())
+        store_quantized(cfg.out_dir, {name: modules[name].weight for name in qat_layers}, QuantScheme.parse(cfg.qat))
     return report
 
