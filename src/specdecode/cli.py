@@ -257,7 +257,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,0.8")
     p.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process on the same checkpoint and prompts (batch 1, greedy): transformers, llama.cpp (needs llama-cpp-python and gguf: pip install -e .[peers]), llama.cpp-bin (llama.cpp's own llama-bench and llama-speculative-simple from $SPECDECODE_LLAMA_CPP_BIN, at the weight precision matching --quantization: F16, Q8_0, Q4_0)")
+    p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process on the same checkpoint and prompts (batch 1, greedy): transformers, llama.cpp (needs llama-cpp-python and gguf: pip install -e .[peers]), llama.cpp-bin (llama.cpp's own llama-bench and llama-speculative-simple from $SPECDECODE_LLAMA_CPP_BIN, at the weight precision matching --quantization: F16, Q8_0, Q4_0), vllm (vLLM plain and with each benchmarked ngram / draft_model / eagle3 config, same drafter and k, run by the Python of its own venv: $SPECDECODE_VLLM_PYTHON)")
     _add_model_args(p, speculative=False, exact=False)
     p.add_argument("--exact", default="off", metavar="off|on|off,on",
                    help="exact mode for every engine; off,on runs each method both ways, interleaved in one run, "
@@ -439,6 +439,28 @@ def _add_export(sub) -> None:
     p.set_defaults(func=_run_export)
 
 
+def _add_token_frequencies(sub) -> None:
+    p = sub.add_parser("token-frequencies", help="count a corpus's tokens (FR-Spec's reduced draft vocabulary)",
+                       description="Write the token counts that speculative_config.draft_vocab_size ranks tokens by "
+                       "(drafters then score only the N most frequent). Default corpus: the training split of the "
+                       "stdlib corpus the default model was trained on. The engine reads token_frequencies.json "
+                       "beside the target's weights unless draft_vocab_frequencies names another file.")
+    p.add_argument("--model", default=None, help="the target model directory (its tokenizer; default: the embedded model)")
+    p.add_argument("--data", nargs="*", default=None, help="text files to count (default: the stdlib training split)")
+    p.add_argument("--out", required=True, help="the JSON file to write (e.g. <model>/token_frequencies.json)")
+    p.set_defaults(func=_run_token_frequencies)
+
+
+def _run_token_frequencies(args) -> int:
+    from specdecode.defaults import default_model_dir
+    from specdecode.train.token_frequencies import write_frequencies
+
+    data = write_frequencies(Path(args.model) if args.model else default_model_dir(), Path(args.out),
+                             [Path(f) for f in args.data] if args.data else None)
+    print(f"wrote {args.out}: {data['num_tokens']:,} tokens of {data['source']}, vocabulary {data['vocab_size']}")
+    return 0
+
+
 def _run_export(args) -> int:
     import torch
 
@@ -473,6 +495,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_profile(sub)
     _add_export(sub)
+    _add_token_frequencies(sub)
     return parser
 
 

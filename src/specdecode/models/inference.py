@@ -68,6 +68,12 @@ class PackedLinear(nn.Module):
             out = self._matmul(x)
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
+    def dense_weight(self) -> torch.Tensor:
+        """[N, K] the dense weight, recovered exactly: identity rows through the packed matmul
+        (each output is one weight times 1 plus zeros, so nothing rounds)."""
+        eye = torch.eye(self.in_features, dtype=self.dtype, device=self.packed.device)
+        return torch.ops.mkldnn._linear_pointwise(eye, self.packed, None, "none", [], "").t().contiguous()
+
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.dtype} packed"
 
@@ -94,6 +100,27 @@ def pack_linears(module: nn.Module) -> nn.Module:
         return packed, [FusedMember(packed, index) for index in range(len(fused.sizes))]
 
     return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias))
+
+
+def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype) -> nn.Module:
+    """The output rows `index` [n] of a served linear layer (dense, packed or quantised) as a layer
+    of their own, served the same way: quantised rows keep their stored values, packed ones are
+    packed again."""
+    bias = None if layer.bias is None else layer.bias[index].clone()
+    if isinstance(layer, QuantizedLinear):
+        stored = {name: getattr(layer, name).index_select(0, index).contiguous()
+                  for name in ("qweight", "scales", "zeros") if hasattr(layer, name)}
+        rows = QuantizedLinear(stored, layer.in_features, len(index), layer.scheme, bias)
+        rows.prepare(dtype)
+        return rows
+    if isinstance(layer, PackedLinear):
+        return PackedLinear(layer.dense_weight()[index], bias)
+    rows = nn.Linear(layer.in_features, len(index), bias=bias is not None, device=layer.weight.device,
+                     dtype=layer.weight.dtype).requires_grad_(False)
+    rows.weight.copy_(layer.weight[index])
+    if bias is not None:
+        rows.bias.copy_(bias)
+    return rows
 
 
 def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype: torch.dtype, device,

@@ -41,6 +41,11 @@ class SpeculativeConfig:
         at (its config.json), else the target's quantization (vLLM's
         speculative_draft_model_quantization). Drafters that reuse the target's LM head
         (DFlash, DSpark, Medusa) keep it as the target stores it.
+    draft_vocab_size: FR-Spec: learned drafters score only the N most frequent tokens (EAGLE-3:
+        the N most frequent of its own draft vocabulary); unset = every token the drafter has.
+        Outputs are unchanged (verification is); drafting gets cheaper, acceptance may drop.
+    draft_vocab_frequencies: the token counts ranking them (`specdecode token-frequencies`);
+        unset = token_frequencies.json beside the target's weights.
     tree_topk: branching of tree drafts (1 = a chain); tree_num_nodes: nodes per tree
         (SGLang --speculative-eagle-topk / --speculative-num-draft-tokens; depth is
         num_speculative_tokens, SGLang's --speculative-num-steps).
@@ -60,6 +65,8 @@ class SpeculativeConfig:
     confidence_threshold: float = 0.0
     dspark_block_size: int | None = None
     draft_quantization: str | None = None
+    draft_vocab_size: int | None = None
+    draft_vocab_frequencies: str | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.method, str) or self.method not in PROPOSERS:
@@ -91,6 +98,12 @@ class SpeculativeConfig:
                 QuantScheme.parse(self.draft_quantization)
             except ConfigError as e:
                 raise ConfigError(f"speculative_config.draft_quantization is invalid: {e}") from None
+        if self.draft_vocab_size is not None:
+            _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1, "draft_vocab_size", "an integer >= 1")
+            _check(getattr(PROPOSERS[self.method], "scores_vocabulary", False), "draft_vocab_size",
+                   "only with a learned drafter (it restricts the drafter's LM head)")
+        _check(self.draft_vocab_frequencies is None or isinstance(self.draft_vocab_frequencies, str),
+               "draft_vocab_frequencies", "a file path")
         _check(_is_int(self.tree_num_nodes) and 1 <= self.tree_num_nodes <= 256, "tree_num_nodes", "an integer in [1, 256]")
 
     @classmethod

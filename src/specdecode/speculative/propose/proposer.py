@@ -156,6 +156,7 @@ class ProposerBase(Generic[State]):
     # batch size (auto-k and D-Cut use it until drafting has been measured): a small model's share.
     draft_cost_prior: float = 0.5
     state_type: ClassVar[type | None] = None  # the per-request state dataclass; None = stateless
+    scores_vocabulary: ClassVar[bool] = False  # drafts through `draft_head` (speculative_config.draft_vocab_size applies)
     method_name: ClassVar[str]  # set by `register`
 
     def __init__(self, ctx: ProposerContext):

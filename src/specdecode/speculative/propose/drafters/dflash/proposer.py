@@ -11,9 +11,10 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.ragged import ForwardEntry, build_attention
 from specdecode.errors import ConfigError
 from specdecode.models.inference import prepare_for_inference
-from specdecode.models.llama import KVCache
+from specdecode.models.llama import KVCache, row_linear
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
+from specdecode.speculative.propose.draft_vocab import draft_head
 from specdecode.speculative.propose.drafters.dflash.model import DFlashDrafter, load_dflash
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
@@ -28,6 +29,7 @@ class DFlashProposer(TargetFeatureBuffer):
     # Block positions are drafted independently given the context, so a static tree over their
     # top-k tokens (as Medusa's over its heads) is exact; DSpark's Markov head chains them.
     supports_tree = True
+    scores_vocabulary = True
     default_checkpoint = f"{DEFAULT_MODEL_NAME}-dflash"
 
     def _load(self, ctx: ProposerContext, path: Path) -> DFlashDrafter:
@@ -45,6 +47,7 @@ class DFlashProposer(TargetFeatureBuffer):
         check_fits_target(ctx, path, hidden_size=cfg.layers.hidden_size, vocab_size=cfg.layers.vocab_size,
                           taps={"target_layer_ids": cfg.target_layer_ids}, token_ids={"mask_token_id": [cfg.mask_token_id]})
         self.target = ctx.target
+        self.draft_head = draft_head(ctx, ctx.target.lm_head)  # the target's LM head (FR-Spec: its frequent rows)
         self.grouping = ctx.grouping
         self.vocab_size = ctx.target.config.vocab_size
         self.hidden_taps = cfg.target_layer_ids
@@ -99,7 +102,7 @@ class DFlashProposer(TargetFeatureBuffer):
         if not active:
             return chain.result()
         hidden = self.block_pass(seqs, active)  # [A, block, d]
-        base = self.target.compute_logits(hidden[:, 1:])  # [A, block-1, V]: tokens N .. N+B-2
+        base = row_linear(self.draft_head, hidden[:, 1:]).float()  # [A, block-1, V]: tokens N .. N+B-2
         if self.tree is not None:
             tokens = torch.zeros(B, len(self.tree.paths), dtype=torch.long, device=self.device)
             tokens[torch.tensor(active, device=self.device)] = self.tree.tokens(base)

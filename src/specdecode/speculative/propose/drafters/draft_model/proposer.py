@@ -18,6 +18,7 @@ from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
+from specdecode.speculative.propose.draft_vocab import draft_head
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -36,6 +37,7 @@ class DraftModelState:
 class DraftModelProposer(ProposerBase[DraftModelState]):
     default_checkpoint = f"{DEFAULT_MODEL_NAME}-draft"
     state_type = DraftModelState
+    scores_vocabulary = True
 
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
@@ -43,6 +45,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         quantization = drafter_quantization(ctx, path)
         self.model = load_model(path, ctx.dtype, ctx.device, quantization)
         check_fits_target(ctx, path, vocab_size=self.model.config.vocab_size)  # a separate model: any width
+        self.model.lm_head = draft_head(ctx, self.model.lm_head)  # FR-Spec: only its frequent rows
         if self.model.config.max_position_embeddings < ctx.max_len:
             raise ConfigError(f"speculative_config.model: the drafter's context ({self.model.config.max_position_embeddings}) "
                               f"is shorter than the target's max_model_len ({ctx.max_len})")

@@ -105,8 +105,20 @@ class EagleDrafter(nn.Module):
         return {"cache_k": cache.k[0], "cache_v": cache.v[0]}
 
     def logits(self, out: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
-        """o [.., d] -> logits over the drafter's vocabulary (eagle3: the draft vocabulary)."""
-        return target.compute_logits(out)
+        """o [.., d] -> logits over the drafter's vocabulary (eagle3: the draft vocabulary), float32."""
+        return row_linear(self.head(target), self.head_input(out, target)).float()
+
+    def head(self, target: LlamaForCausalLM) -> nn.Module:
+        """The LM head that scores the drafter's vocabulary (eagle, mtp: the target's)."""
+        return target.lm_head
+
+    def head_input(self, out: torch.Tensor, target: LlamaForCausalLM) -> torch.Tensor:
+        """o [.., d] -> what the LM head reads [.., d]."""
+        return out
+
+    def heads(self, target: LlamaForCausalLM) -> list[nn.Module]:
+        """Every head `head` can return (built-in MTP: one per layer)."""
+        return [self.head(target)]
 
     @property
     def draft_to_target(self) -> torch.Tensor | None:
@@ -151,8 +163,8 @@ class MtpDrafter(EagleDrafter):
     def inputs(self, embeds, features):
         return self.embed_norm(embeds), self.feature_norm(features)
 
-    def logits(self, out, target):
-        return target.compute_logits(target.model.norm(out))
+    def head_input(self, out, target):
+        return target.model.norm(out)
 
 
 class Eagle3Drafter(EagleDrafter):
@@ -188,8 +200,11 @@ class Eagle3Drafter(EagleDrafter):
         attn_input = torch.cat([self.layer.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
         return self.layer(features, cos, sin, batch, cache_k, cache_v, attn_input=attn_input)
 
-    def logits(self, out, target):
-        return row_linear(self.lm_head, self.norm(out)).float()
+    def head(self, target):
+        return self.lm_head
+
+    def head_input(self, out, target):
+        return self.norm(out)
 
     @property
     def draft_to_target(self):
@@ -226,8 +241,14 @@ class BuiltinMtpDrafter(EagleDrafter):
         self.current = step % len(outputs)  # whose shared head `logits` applies to this output
         return outputs[self.current]
 
-    def logits(self, out, target):
-        return self.mtp_layers[self.current].logits(out)
+    def head(self, target):
+        return self.mtp_layers[self.current].shared_head.head
+
+    def heads(self, target):
+        return [layer.shared_head.head for layer in self.mtp_layers]
+
+    def head_input(self, out, target):
+        return self.mtp_layers[self.current].shared_head.norm(out)
 
     current = 0
 

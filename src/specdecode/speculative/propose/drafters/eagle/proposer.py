@@ -12,11 +12,12 @@ from specdecode.engine.compiled import CompiledForward
 from specdecode.engine.ragged import ForwardEntry, build_attention, merge_rows
 from specdecode.errors import ConfigError
 from specdecode.models.inference import prepare_for_inference
-from specdecode.models.llama import KVCache
+from specdecode.models.llama import KVCache, row_linear
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
 from specdecode.speculative.propose.drafters.eagle.model import BuiltinMtpDrafter
+from specdecode.speculative.propose.draft_vocab import draft_head
 from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
@@ -32,6 +33,7 @@ class EagleProposer(TargetFeatureBuffer):
     draft_cost_prior = 0.3  # one decoder layer + an LM head per step
     variant: str  # the drafter variant this method serves (EagleDrafter.variant)
     supports_tree = True  # EAGLE-2 dynamic trees when tree_topk > 1
+    scores_vocabulary = True
 
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
@@ -50,6 +52,9 @@ class EagleProposer(TargetFeatureBuffer):
         self.kv_cache = KVCache(self.drafter.cfg.layer, ctx.num_slots, ctx.max_len + extra, ctx.dtype, ctx.device,
                                 layer_ids=getattr(self.drafter, "layer_ids", None))
         self.drafter_forward = CompiledForward(self.drafter.forward, ctx.compile, self.variant)
+        # The heads drafting scores with, by the drafter's head they stand for (FR-Spec: fewer rows).
+        d2t = self.drafter.draft_to_target
+        self.draft_heads = {id(head): draft_head(ctx, head, d2t) for head in self.drafter.heads(ctx.target)}
         self.draft_step = 0  # the drafting step being computed (built-in MTP picks its layer by it)
 
     def load_drafter(self, ctx: ProposerContext):
@@ -107,13 +112,9 @@ class EagleProposer(TargetFeatureBuffer):
         return first
 
     def vocab_logits(self, out: torch.Tensor) -> torch.Tensor:
-        """o [.., d] -> logits over the target vocabulary (eagle3: -inf outside the draft vocabulary)."""
-        logits = self.drafter.logits(out, self.target)
-        d2t = self.drafter.draft_to_target
-        if d2t is not None:
-            full = torch.full((*logits.shape[:-1], self.vocab_size), float("-inf"), device=logits.device)
-            logits = full.index_copy(logits.dim() - 1, d2t, logits)
-        return logits
+        """o [.., d] -> float32 logits over the target vocabulary (-inf outside the draft vocabulary)."""
+        head = self.draft_heads[id(self.drafter.head(self.target))]
+        return row_linear(head, self.drafter.head_input(out, self.target)).float()
 
     # ---- EAGLE-2 trees (`propose_dynamic_tree` calls these) --------------------------------------
 
