@@ -2,8 +2,10 @@
 
 import importlib.util
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
 from specdecode.bench import harness, methods, report, timing
 from specdecode.bench.harness import BenchConfig, run_bench
@@ -27,8 +29,8 @@ def test_methods_parse_and_fail_early():
     assert MethodSpec.parse("draft_model:k=4:verify_pruning=dcut").config["verify_pruning"] == "dcut"
     with pytest.raises(ConfigError):
         parse_methods("nonsense:k=2")
-    with pytest.raises(ConfigError, match="--peers vllm"):
-        BenchConfig(methods=specs, peers=["vllm"])
+    with pytest.raises(ConfigError, match="--peers sglang"):
+        BenchConfig(methods=specs, peers=["sglang"])
 
 
 def test_run_bench_records_everything(native_model, native_drafter, prompt_file, tmp_path):
@@ -174,3 +176,44 @@ def test_repeats_are_interleaved_across_methods():
     measured = measure_interleaved(engines, ["p"], [None], repeats=3)
     assert log[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # after one warm-up each
     assert [len(m.round_seconds) for m in measured] == [3, 3, 3] and [m.outputs for m in measured] == [["a"], ["b"], ["c"]]
+
+
+def test_the_vllm_peer_runs_the_same_drafters_and_k(native_model, trained_drafters, native_drafter, monkeypatch,
+                                                     tmp_path):
+    """vLLM itself is not installed in CI: the mapping of our configs to its speculative_config,
+    the speculators export it reads and the driver's counter reading are what is tested."""
+    from specdecode.bench import vllm_driver
+    from specdecode.bench.peers import run_vllm, vllm_variants
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    configs = [{"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_max": 4},
+               {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 4},
+               {"method": "eagle3", "model": str(trained_drafters["eagle3"]), "num_speculative_tokens": 3},
+               {"method": "eagle3", "model": str(trained_drafters["eagle3"]), "num_speculative_tokens": 3,
+                "tree_topk": 2},  # a tree: not the same method in vLLM
+               {"method": "mtp", "model": str(trained_drafters["mtp"]), "num_speculative_tokens": 3}]
+    variants = vllm_variants(native_model, configs, lambda method: None)
+    assert [v["label"] for v in variants] == ["vllm", "vllm ngram k=8", "vllm draft_model k=4", "vllm eagle3 k=3"]
+    assert variants[1]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 8,
+                                                 "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    assert variants[2]["speculative_config"]["model"] == str(native_drafter)
+    exported = Path(variants[3]["speculative_config"]["model"])
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["speculators_model_type"] == "eagle3"
+    assert vllm_variants(native_model, configs[2:3], lambda m: None)[1]["speculative_config"]["model"] == str(exported)
+
+    class Metric:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+
+    class FakeLLM:
+        def get_metrics(self):
+            return [Metric("vllm:spec_decode_num_drafts", 3), Metric("vllm:spec_decode_num_accepted_tokens", 5),
+                    Metric("vllm:num_requests_running", 1)]
+
+    assert vllm_driver.spec_counters(FakeLLM()) == {"vllm:spec_decode_num_drafts": 3.0,
+                                                    "vllm:spec_decode_num_draft_tokens": 0.0,
+                                                    "vllm:spec_decode_num_accepted_tokens": 5.0}
+    monkeypatch.delenv("SPECDECODE_VLLM_PYTHON", raising=False)
+    with pytest.raises(ImportError, match="SPECDECODE_VLLM_PYTHON"):
+        run_vllm(native_model, configs, [[1, 2, 3]], 4, lambda m: None, torch.bfloat16)

@@ -185,6 +185,8 @@ def _requests():
 def _outputs(quantization, speculative_config=None):
     prompts, params = _requests()
     llm = LLM(exact=True, quantization=quantization, max_num_seqs=3, speculative_config=speculative_config)
+    # One kernel per layer at every width: no dense copy for wide forwards (models/wide_kernels.py)
+    assert all(getattr(m, "wide", None) is None for m in llm.model.modules())
     return [o.token_ids for o in llm.generate(prompts, params)]
 
 

@@ -122,3 +122,55 @@ def test_a_layer_whose_input_is_no_multiple_of_the_int4_group_stays_dense():
     module = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 8))
     quantize_module(module, QuantScheme.parse("int4"))  # groups of 32: 16 inputs do not fit
     assert isinstance(module[0], torch.nn.Linear) and isinstance(module[1], QuantizedLinear)
+
+
+# ---- verification widths: the dense copy of a quantised layer (models/wide_kernels.py) ----------
+
+needs_packing = pytest.mark.skipif(
+    not __import__("specdecode.models.inference", fromlist=["can_pack"]).can_pack(torch.bfloat16, torch.device("cpu")),
+    reason="oneDNN packing unavailable")
+
+
+@needs_packing
+@pytest.mark.parametrize("spec", ["int8", "int4-g32"])
+def test_a_quantised_layer_runs_its_dense_copy_from_its_wide_width_on(spec):
+    from specdecode.models.inference import PackedLinear
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_weight(torch.randn(64, 128), None, QuantScheme.parse(spec))
+    layer.prepare(torch.bfloat16)
+    dense = PackedLinear(layer.dequantize().to(torch.bfloat16), None)
+    x = torch.randn(8, 128).to(torch.bfloat16)
+    kernel_only = layer(x)
+    layer.wide = (dense, 4)
+    assert torch.equal(layer(x[:3]), kernel_only[:3])  # below the width: the int kernel
+    assert torch.equal(layer(x[:4]), dense(x[:4]))  # from it on: the dense copy
+    assert torch.equal(layer(x[None]), dense(x)[None])  # rows counted over the leading dimensions
+    torch.testing.assert_close(layer(x).float(), x.float() @ layer.dequantize().T, rtol=0.02, atol=0.05)
+
+
+@needs_packing
+def test_wide_kernels_follow_the_cached_choice_and_can_be_turned_off(native_model, tmp_path,
+                                                                                  monkeypatch):
+    import json
+
+    from specdecode.models import wide_kernels
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    llm = LLM(native_model, dtype="bfloat16", quantization="int8", max_num_seqs=2)  # measures, then caches
+    cache = json.loads(wide_kernels._cache_path().read_text())
+    layers = [m for m in llm.model.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
+    shapes = {f"{m.in_features}x{m.out_features}-int8-torch.bfloat16" for m in layers}
+    assert shapes <= set(cache) and all(v is None or v in wide_kernels.PROBE_ROWS for v in cache.values())
+    # A cached choice is what every later start runs (no timing involved).
+    forced = {key: (2 if i % 2 == 0 else None) for i, key in enumerate(sorted(shapes))}
+    wide_kernels._cache_path().write_text(json.dumps(forced))
+    llm = LLM(native_model, dtype="bfloat16", quantization="int8", max_num_seqs=2)
+    for m in (m for m in llm.model.modules() if isinstance(m, QuantizedLinear) and not m.is_view):
+        want = forced[f"{m.in_features}x{m.out_features}-int8-torch.bfloat16"]
+        assert (m.wide is None) if want is None else (m.wide[1] == want)
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids  # runs
+    llm = LLM(native_model, dtype="bfloat16", quantization="int8", max_num_seqs=2, verify_kernels="quantized")
+    assert all(m.wide is None for m in llm.model.modules() if isinstance(m, QuantizedLinear))  # exact mode: test_exact
+    with pytest.raises(ConfigError, match="verify_kernels"):
+        LLM(native_model, quantization="int8", verify_kernels="dense")

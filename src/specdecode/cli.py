@@ -146,6 +146,10 @@ def _add_model_args(p, speculative: bool = True, exact: bool = True) -> None:
     p.add_argument("--hf-overrides", type=_json_object, default=None, metavar="JSON",
                    help='config.json keys to replace at load, as vLLM\'s, e.g. \'{"index_topk_pattern": "FSSS"}\' '
                    "(IndexCache on DeepSeek-V3.2 / GLM-5 targets; default: none)")
+    p.add_argument("--verify-kernels", default="auto", choices=["auto", "quantized"],
+                   help="with --quantization: auto = verify forwards from a measured width on (about 6-8 tokens here) run "
+                   "a dense copy of each quantised layer, faster there than the int kernels but the dtype's bytes per "
+                   "weight more memory; quantized = the int kernels at every width (least memory). Default: auto")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the target's (and a draft model's) forward: faster steps after compiling a few "
                    "graphs once (tens of seconds on a CPU, logged; default: --no-compile)")
@@ -186,7 +190,7 @@ def _run_generate(args) -> int:
     from specdecode.defaults import cli_speculative_config
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides,
+              compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides, verify_kernels=args.verify_kernels,
               speculative_config=cli_speculative_config(args.speculative_config, args.model), max_num_seqs=1)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -275,7 +279,7 @@ def _run_bench(args) -> int:
                       concurrency=[int(c) for c in args.concurrency.split(",")],
                       temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
                       device=args.device, quantization=args.quantization, compile=args.compile,
-                      hf_overrides=args.hf_overrides, exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
+                      verify_kernels=args.verify_kernels, hf_overrides=args.hf_overrides, exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
                       out_dir=Path(args.out),
                       repeats=args.repeats,
                       peers=[p for p in args.peers.split(",") if p], sampling=args.sampling)
@@ -333,7 +337,7 @@ def _run_serve(args) -> int:
     serve(args.host, args.port, model=args.model, speculative_config=cli_speculative_config(args.speculative_config, args.model),
           dtype=args.dtype, device=args.device, quantization=args.quantization, compile=args.compile,
           exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
-          max_model_len=args.max_model_len, api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+          verify_kernels=args.verify_kernels, max_model_len=args.max_model_len, api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
           max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
     return 0
 
@@ -409,7 +413,8 @@ def _run_profile(args) -> int:
     from specdecode.speculative.policy.cost_model import load_or_profile, plot
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-              compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs)
+              compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
+              verify_kernels=args.verify_kernels)
     model = load_or_profile(llm.runner, llm.config.model, args.max_num_seqs, args.max_tokens_per_seq, thorough=True)
     widths = sorted(next(iter(model.table.values())))
     print("ms per target forward; rows: batch size, columns: new tokens per sequence")

@@ -188,6 +188,9 @@ def _short_repr(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+VERIFY_KERNELS = ("auto", "quantized")  # EngineConfig.verify_kernels
+
+
 @dataclasses.dataclass(slots=True)
 class EngineConfig:
     """One engine: a target model, its memory bounds, dtype and device."""
@@ -200,6 +203,9 @@ class EngineConfig:
     seed: int = 0  # seeds the shared generator of requests without their own seed
     quantization: str | None = None  # weight-only: None, "int8", "int4" / "int4-g32|64|128" (models/quant.py)
     compile: bool = False  # torch.compile the target's (and a draft model's) forward; see README "Speed"
+    # Quantised targets: "auto" = verify forwards from the measured width on run a dense copy of each
+    # quantised layer (faster, more memory; models/wide_kernels.py); "quantized" = the int kernels only
+    verify_kernels: str = "auto"
     exact: bool = False  # exact mode: invariant kernels + position-keyed seeded sampling; see README "Exact mode"
     hf_overrides: dict | None = None  # config.json keys replaced at load (vLLM's --hf-overrides), e.g. index_topk_pattern
 
@@ -213,6 +219,9 @@ class EngineConfig:
             raise ConfigError(f"exact must be True or False, got {_short_repr(self.exact)}")
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ConfigError(f"hf_overrides must be a JSON object of config.json keys, got {_short_repr(self.hf_overrides)}")
+        if self.verify_kernels not in VERIFY_KERNELS:
+            raise ConfigError(f"verify_kernels {_short_repr(self.verify_kernels)} is not supported; accepted: "
+                              f"{', '.join(VERIFY_KERNELS)}")
         if self.exact and self.compile:
             raise ConfigError("exact=True runs eager forwards and cannot be combined with compile=True: compiled "
                               "graphs are specialised by width, and their fused kernels are not width-invariant")

@@ -51,6 +51,7 @@ class BenchConfig:
     quantization: str | None = None  # weight-only int8 / int4 for every method's target and drafter
     hf_overrides: dict | None = None  # config.json keys replaced at load (IndexCache patterns, ...)
     compile: bool = False  # torch.compile every method's target forward (compilation happens in the warm-up)
+    verify_kernels: str = "auto"  # quantised targets: LLM(verify_kernels=)
     # Exact mode off and/or on: [False, True] runs every method both ways, interleaved in one run (the
     # plain engine of each mode is that mode's baseline; the exact plain row also shows its cost).
     exact: list[bool] = dataclasses.field(default_factory=lambda: [False])
@@ -110,7 +111,8 @@ def run_bench(cfg: BenchConfig) -> dict:
             engines = [(exact, method) for exact in cfg.exact for method in cfg.methods]
             llms = [LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
                         max_num_seqs=concurrency, seed=cfg.seed, quantization=cfg.quantization,
-                        compile=cfg.compile, exact=exact, hf_overrides=cfg.hf_overrides)
+                        compile=cfg.compile, exact=exact, hf_overrides=cfg.hf_overrides,
+                        verify_kernels=cfg.verify_kernels)
                     for exact, method in engines]
             info = info or machine_info(llms[0])
             measured = measure_interleaved(llms, prompts, params, cfg.repeats, concurrency, on_run=lambda: bar.update(1))

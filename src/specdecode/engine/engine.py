@@ -29,6 +29,7 @@ from specdecode.exact.noise import seed_key
 from specdecode.logit_adjust import LogitAdjust, RowHistory
 from specdecode.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from specdecode.models.loader import load_model
+from specdecode.models.wide_kernels import attach_wide_kernels
 from specdecode.sampling import SamplingBatch, sample
 from specdecode.speculative.speculator import TargetHandle, build_speculator
 from specdecode.speculative.stats import SpecStats
@@ -102,6 +103,10 @@ class LLM:
     "Quantised targets: matched drafters").
     compile: torch.compile the target's forward (a draft model's, an EAGLE/MTP drafter's step): faster steps after a
     one-time compilation of a few graphs (tens of seconds on a CPU; logged, and cached by PyTorch).
+    verify_kernels: with `quantization`, "auto" lets verify forwards from a measured width on (about 6-8
+    tokens here) run a dense copy of each quantised layer, faster than the int kernels there but
+    the served dtype's bytes per weight more memory; "quantized" keeps the int kernels at every width
+    (README "Speed"). Exact mode always keeps the int kernels.
     exact: exact mode (CPU): the target's forwards give bitwise the same logits for a token alone, in a
     verify forward or in any batch, and a request with a `seed` samples with noise keyed by (seed,
     position, token), so speculation reproduces plain decoding token for token (README "Exact mode").
@@ -122,13 +127,15 @@ class LLM:
         compile: bool = False,
         exact: bool = False,
         hf_overrides: dict | None = None,
+        verify_kernels: str = "auto",
     ):
         model_dir = Path(model) if model is not None else default_model_dir()
         if not model_dir.is_dir():
             raise ModelLoadError(f"model directory {model_dir} does not exist")
         self.config = EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, quantization=quantization,
-                                   compile=compile, exact=exact, hf_overrides=hf_overrides)
+                                   compile=compile, exact=exact, hf_overrides=hf_overrides,
+                                   verify_kernels=verify_kernels)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype()
         self.tokenizer = Tokenizer(model_dir)
@@ -140,6 +147,8 @@ class LLM:
                               "no invariant kernel yet")
         if exact:
             _prepare_exact(self.model, self.dtype, self.device)
+        elif self.quantization is not None and verify_kernels == "auto":
+            attach_wide_kernels(self.model, self.dtype)
         self.model_config = self.model.config
         self.tokenizer.check_fits(self.model_config.vocab_size)
         context = self.model_config.max_position_embeddings

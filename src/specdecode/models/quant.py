@@ -114,6 +114,9 @@ class QuantizedLinear(nn.Module):
         self._dense: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> dequantised weight, for the dense path
         self.is_view = False  # rows of a fused layer (`rows`), kept for code that calls a member alone
         self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
+        # Verification widths (models/wide_kernels.py): (the dequantised weight packed densely, the
+        # rows from which it runs instead of the int kernel); a tuple, so it is not a submodule.
+        self.wide: tuple[nn.Module, int] | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
@@ -180,6 +183,8 @@ class QuantizedLinear(nn.Module):
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wide is not None and x.numel() >= self.wide[1] * self.in_features:
+            return self.wide[0](x)  # a wide forward: the dense copy (bias included)
         if self._uses_kernel(x.dtype, x.device):
             rows = x.reshape(-1, self.in_features)  # the kernels take 2-D rows
             if self.scheme.bits == 8:
