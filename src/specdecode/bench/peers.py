@@ -195,16 +195,19 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
     for label, extra in variants:
         tokens = seconds = drafted = accepted = 0
         for prompt in prompts:
-            with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
-                f.write(prompt)
-                f.flush()
-                out = subprocess.run([str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-f", f.name,
-                                      "-n", str(max_tokens), "--temp", "0", "--ignore-eos", "-t", str(threads),
-                                      "--spec-draft-n-max", str(k), *extra],
-                                     check=True, capture_output=True, text=True, errors="replace")
-            log = out.stdout + out.stderr  # generated text need not be valid UTF-8 (random-weight models)
-            if decoded.search(log) is None:
-                raise RuntimeError(f"{label}: llama-speculative-simple printed no decode timing for a prompt; "
+            for attempt in range(2):  # it once exited without its timing lines (Q8_0, one prompt): retried
+                with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
+                    f.write(prompt)
+                    f.flush()
+                    out = subprocess.run([str(bin_dir / "llama-speculative-simple"), "-m", str(target), "-f", f.name,
+                                          "-n", str(max_tokens), "--temp", "0", "--ignore-eos", "-t", str(threads),
+                                          "--spec-draft-n-max", str(k), *extra],
+                                         check=True, capture_output=True, text=True, errors="replace")
+                log = out.stdout + out.stderr  # generated text need not be valid UTF-8 (random-weight models)
+                if decoded.search(log) is not None:
+                    break
+            else:
+                raise RuntimeError(f"{label}: llama-speculative-simple printed no decode timing for a prompt, twice; "
                                    f"its output ends: {log[-300:]!r}")
             n, s = decoded.search(log).groups()
             tokens, seconds = tokens + int(n), seconds + float(s)

@@ -38,9 +38,7 @@ def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[Sampli
     """Time every engine on the same rounds of prompts, round by round: engines A, B, C on
     round 1, then B, C, A on round 2, ... (`repeats` passes over all rounds)."""
     for llm in llms:  # warm-up (allocations, caches, and with compile=True every kind of step compiled)
-        warm = [prompts[i % len(prompts)] for i in range(max(1, concurrency))]
-        for _ in range(2 if llm.config.compile else 1):
-            llm.generate(warm, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        warm_up(llm, [prompts[i % len(prompts)] for i in range(max(1, concurrency))])
     rounds = rounds_of(len(prompts), concurrency)
     measured = [Measured([], []) for _ in llms]
     turn = 0
@@ -56,6 +54,28 @@ def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[Sampli
                 on_run()
             turn += 1
     return measured
+
+
+WARM_UP_PASSES = 6  # compiled engines: at most this many passes before timing
+
+
+def warm_up(llm: LLM, prompts: list[str]) -> None:
+    """Run `llm` on `prompts` until nothing is left to compile: every kind of step a timed run can
+    take (batch 1 or more; drafting steps, and plain 1-token steps, which a speculative engine
+    takes only when no room is left to draft: max_tokens=2), repeated while a pass still compiled
+    a new graph, so no compilation lands in a timed round."""
+    kinds = [(prompts, 32), (prompts, 2), (prompts[:1], 32), (prompts[:1], 2)]
+    if not llm.config.compile:
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+        return
+    from torch._dynamo.utils import counters
+
+    for _ in range(WARM_UP_PASSES):
+        before = counters["stats"]["unique_graphs"]
+        for batch, max_tokens in kinds:
+            llm.generate(batch, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+        if counters["stats"]["unique_graphs"] == before:
+            return
 
 
 def speedup_interval(baseline: list[float], method: list[float], samples: int = 1000, seed: int = 0) -> tuple[float, float]:
