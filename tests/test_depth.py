@@ -323,3 +323,19 @@ def test_measured_guard_measures_both_arms_early():
     guard.observe(16, drafted=True, tokens=40, seconds=0.040)
     guard.observe(16, drafted=False, tokens=16, seconds=0.012)  # drafting loses: plain from now on
     assert [guard.choose(16, 3) for _ in range(8)] == [0] * 8
+
+
+def test_the_guard_compares_steps_in_units_of_the_machines_speed_at_the_time():
+    """Drafting measured during a slow spell of the machine, plain decoding after it: in wall
+    seconds drafting looks slower and would stay off; in units of the machine's speed (the live
+    cost model's level, which every step updates) it measures as what it is."""
+    cost = CostModel({1: {1: 0.010, 5: 0.011}}, 128)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
+    depth = DepthController(config, lambda: cost)
+    assert depth.cost.factor(1) == 1.0  # the live cost model exists once a step is planned
+    for _ in range(30):  # a machine at half speed: drafting steps commit 2 tokens in 22 ms (91 tok/s)
+        depth.update(StepPlan([4]), [None], [4], [1], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.022)
+    for _ in range(30):  # full speed again: plain steps of 10 ms (100 tok/s)
+        depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
+    # In wall seconds: 91 against 100 tok/s, drafting "loses"; in step units it wins clearly.
+    assert depth.guard.rate(1, True) > 1.2 * depth.guard.rate(1, False)

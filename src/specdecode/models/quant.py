@@ -11,8 +11,10 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
 328 us, int8 119-159 us, int4 192 us; see BENCHMARKS.md "Weight-only quantisation"):
 - bf16 / fp16 on CPU: PyTorch's `_weight_int8pack_mm` / `_weight_int4pack_mm_for_cpu`.
   They cost one weight read per row (a GEMV each), so a verify forward of n rows costs
-  about n times the one-row matmul. Inductor's dequantise-GEMM measured 2.8-6x slower than
-  `_weight_int8pack_mm` here; torchao's kernels have not been measured yet.
+  about n times the one-row matmul; from a measured width on, a dense copy takes over
+  (`models/wide_kernels.py`). Inductor's dequantise-GEMM measured 2.8-6x slower than
+  `_weight_int8pack_mm` here, torchao 0.18's int8 weight-only layer 3.7x slower at one row and
+  its CPU int4 1.4x slower (`benchmarks/torchao_kernels.py`).
 - float32 (the tests' precision), and devices without those kernels (CUDA is not wired yet):
   a dense matmul with the dequantised weight, built once on first use (so it holds a dense
   copy too). Correct everywhere; fast only where dense is.

@@ -197,7 +197,11 @@ class DepthController:
                step_seconds: float | None = None) -> None:
         self.estimator.update(num_draft, num_accepted, confidence)
         if step_seconds and not plan.catching_up:  # a catch-up is a one-time cost, priced by auto_k
-            self.guard.observe(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds)
+            # In units of the machine's speed when the step ran (the live cost's level, from every step's
+            # target time): the guard compares rates measured minutes apart, and a slow spell while
+            # drafting was measured froze drafting off for thousands of steps of a faster machine.
+            speed = self._cost.factor(len(seqs)) if self._cost is not None else 1.0
+            self.guard.observe(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds / speed)
         if num_draft_steps and self._cost is not None and not plan.catching_up:
             self.draft_cost.observe(num_draft_steps, draft_seconds / self._cost.step_time(len(seqs), len(seqs)))
         if step_seconds is not None and self._cost is not None:

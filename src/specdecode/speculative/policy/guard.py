@@ -18,6 +18,9 @@ class MeasuredGuard:
     losing, the interval doubles up to `max_interval`, because each such probe pays the
     drafter's catch-up over everything decoded since the last one.
 
+    Seconds arrive in units of the machine's speed at the time (DepthController divides by the
+    live cost model's level), so a slow phase of the machine lands on neither arm.
+
     Acceptance is only measured where drafts are verified: a policy that stops drafting
     position i (or drafting at all) after a few rejections would never see it recover. So,
     where drafting has measured faster, a declined step drafts one token now and then, and
