@@ -104,18 +104,30 @@ def test_row_probe_finds_kernels_that_depend_on_the_row_count_or_position():
     assert probe_row_tiling(by_position, 32, 16, torch.float32, "cpu") == RowTiling(1)
 
 
-def test_the_default_models_layers_get_the_tilings_measured_here():
-    """bf16 packed: only the 1408 -> 512 down projection needs padding (one-row calls to two); int8: none."""
+def test_the_default_models_layers_get_tilings_under_which_their_rows_are_invariant():
+    """The tilings depend on the CPU's oneDNN kernels (AMD Zen 4: only the 1408 -> 512 down projection
+    needs padding, one-row calls to two; Intel with AMX: fixed tiles of 8 for every bf16 layer), so
+    what is checked is what they are for: a row's output does not depend on the rows beside it."""
     from specdecode.defaults import default_model_dir
     from specdecode.exact.rows import make_rows_invariant
     from specdecode.models.loader import load_model
     from specdecode.models.quant import QuantScheme
 
-    bf16 = make_rows_invariant(load_model(default_model_dir(), torch.bfloat16), torch.bfloat16, "cpu")
-    assert {name.rsplit(".", 1)[-1] for name in bf16} == {"down_proj"}
-    assert set(bf16.values()) == {RowTiling(64, min_rows=2)}
-    int8 = load_model(default_model_dir(), torch.bfloat16, "cpu", QuantScheme.parse("int8"))
-    assert make_rows_invariant(int8, torch.bfloat16, "cpu") == {}
+    for scheme in (None, QuantScheme.parse("int8")):
+        model = load_model(default_model_dir(), torch.bfloat16, "cpu", scheme)
+        make_rows_invariant(model, torch.bfloat16, "cpu")
+        layers = model.model.layers[0]
+        for layer in (layers.self_attn.qkv, layers.mlp.down_proj, model.lm_head):
+            x = torch.randn(17, layer.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+            def rows(t):
+                out = layer(t)
+                return torch.cat(out, dim=-1) if isinstance(out, (tuple, list)) else out
+
+            with torch.inference_mode():
+                alone = torch.cat([rows(x[i:i + 1]) for i in range(len(x))])
+                for m in (2, 3, 5, 8, 9, 16, 17):
+                    assert torch.equal(rows(x[:m]), alone[:m]), (scheme, layer, m)
 
 
 # ---- the bisection tool on the default model ------------------------------------------------

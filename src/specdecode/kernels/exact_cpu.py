@@ -8,51 +8,20 @@ It is compiled on first use with PyTorch's extension builder (a C++ compiler is 
 from __future__ import annotations
 
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import sys
 from pathlib import Path
 
 import torch
 
 from specdecode.errors import ConfigError
+from specdecode.kernels.build import load_extension
 
 SOURCE = Path(__file__).with_name("exact_cpu.cpp")
 
 
-def _cpu_fingerprint() -> str:
-    """Part of the build's name: a kernel compiled with -march=native must not load on another CPU."""
-    flags = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = line
-                break
-    except OSError:
-        pass
-    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
-
-
 @functools.cache
 def _extension():
-    from torch.utils.cpp_extension import load
-
-    from specdecode.defaults import cache_root
-
-    if shutil.which("ninja") is None:  # the ninja wheel's script sits beside this interpreter (a venv not activated)
-        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-
-    source_hash = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:10]
-    build_dir = cache_root() / "extensions" / f"exact_kernels_{source_hash}_{_cpu_fingerprint()}"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    flags = ["-O3", "-ffp-contract=fast"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags += ["-march=native", "-mprefer-vector-width=512"]
     try:
-        return load(name=f"specdecode_exact_kernels_{source_hash}", sources=[str(SOURCE)], extra_cflags=flags,
-                    build_directory=str(build_dir), verbose=os.environ.get("SPECDECODE_VERBOSE_BUILD") == "1")
+        return load_extension("exact_kernels", SOURCE)
     except Exception as error:  # no compiler, no ninja, a failed build: say what exact mode needs
         raise ConfigError(f"exact mode needs its CPU kernels, which failed to build ({type(error).__name__}: "
                           f"{error}); it needs a C++ compiler and ninja (pip install ninja)") from None

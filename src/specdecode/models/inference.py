@@ -3,7 +3,9 @@
 `prepare_for_inference` is the one step every served model goes through (the target in
 `load_model`, and every drafter after its own loader): fuse q/k/v and gate/up, then either
 quantise every linear layer (`models/quant.py`, cached by checkpoint hash), or, for bf16 /
-fp16 weights on a CPU, keep them dense in oneDNN's blocked layout (`PackedLinear`).
+fp16 weights on a CPU, keep them dense in oneDNN's blocked layout (`PackedLinear`), and, for
+bf16 on a CPU with AVX-512 BF16, also in the few-row kernel's layout for the decode widths where
+it measures faster (`kernels/gemv_cpu.py`).
 
 Why packing: a one-row bf16 matmul reads its weight in PyTorch's plain layout at a fraction of
 the memory bandwidth. Measured here (2 threads, all 25 matmuls of the default model in turn,
@@ -52,8 +54,17 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         self.split_sizes = split_sizes
         self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
+        # Decode widths (models/wide_kernels.py attach_few_row_kernels): (the weight in the few-row
+        # kernel's blocked layout, the most rows it serves); narrower forwards than that take it.
+        self.few_rows: tuple[torch.Tensor, int] | None = None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows is not None and x.numel() <= self.few_rows[1] * self.in_features:
+            from specdecode.kernels.gemv_cpu import few_rows_linear, few_rows_linear_eager
+
+            rows = x.reshape(-1, self.in_features)  # the kernel takes 2-D rows
+            kernel = few_rows_linear if torch.compiler.is_compiling() else few_rows_linear_eager
+            return kernel(rows, self.few_rows[0], self.bias, self.out_features).view(*x.shape[:-1], self.out_features)
         if torch.compiler.is_compiling():  # eager skips the custom op's dispatch (measured +50 us a call)
             return packed_linear(x, self.packed, self.bias, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -114,7 +125,11 @@ def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype
         rows.prepare(dtype)
         return rows
     if isinstance(layer, PackedLinear):
-        return PackedLinear(layer.dense_weight()[index], bias)
+        from specdecode.models.wide_kernels import attach_few_row_kernels
+
+        rows = PackedLinear(layer.dense_weight()[index], bias)
+        attach_few_row_kernels(rows, dtype)
+        return rows
     rows = nn.Linear(layer.in_features, len(index), bias=bias is not None, device=layer.weight.device,
                      dtype=layer.weight.dtype).requires_grad_(False)
     rows.weight.copy_(layer.weight[index])
@@ -137,5 +152,8 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
                 layer.prepare(dtype)
         return module
     if can_pack(dtype, device):
-        return pack_linears(module)
+        from specdecode.models.wide_kernels import attach_few_row_kernels
+
+        module = pack_linears(module)
+        attach_few_row_kernels(module, dtype)
     return module

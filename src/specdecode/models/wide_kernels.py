@@ -1,4 +1,13 @@
-"""Verification widths under int8 / int4: a per-width choice of kernel for quantised layers.
+"""A per-width choice of kernel for served linear layers, measured per layer shape on this machine.
+
+Two choices live here. Verification widths under int8 / int4 (`attach_wide_kernels`, below),
+and decode widths under bf16 (`attach_few_row_kernels`): a packed bf16 layer also keeps its
+weight in the few-row kernel's layout (`kernels/gemv_cpu.py`), and forwards of at most
+`few_rows` rows take that kernel, which streams the weights faster than oneDNN at one or two
+rows; `few_rows` is the widest probe up to which it is faster at every narrower one. Costs the
+bf16 weight's bytes a second time, only for shapes where it wins.
+
+Quantised layers:
 
 PyTorch's weight-only kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) read a
 layer's weights once per row, so a verify forward of 8 tokens costs 2.4-2.9x one token, while
@@ -21,6 +30,7 @@ the served dtype's bytes per weight beside the quantised ones, only for shapes w
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -37,13 +47,14 @@ PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 MARGIN = 0.95  # the dense copy must be this much faster: a near tie keeps the int kernel (less memory)
 FLUSH_BYTES = 64 << 20  # written between timed calls: more than the last-level cache of the CPUs we serve on
 PROBE_LAYERS = 4  # layers of a shape timed per probe
+FEW_ROWS_PROBE = (1, 2, 3, 4, 6, 8)  # widths the few-row kernel is probed at
 
 
 def _cache_path():
     from specdecode.defaults import cache_root
-    from specdecode.kernels.exact_cpu import _cpu_fingerprint
+    from specdecode.kernels.build import cpu_fingerprint
 
-    return cache_root() / "wide_kernels" / f"{_cpu_fingerprint()}-t{torch.get_num_threads()}.json"
+    return cache_root() / "wide_kernels" / f"{cpu_fingerprint()}-t{torch.get_num_threads()}.json"
 
 
 def _cold_seconds(layers: list[nn.Module], x: torch.Tensor, flush: torch.Tensor, repeats: int = 3) -> float:
@@ -63,21 +74,98 @@ def _cold_seconds(layers: list[nn.Module], x: torch.Tensor, flush: torch.Tensor,
 
 
 @torch.inference_mode()
+def _faster_by_width(candidate: list, baseline: list, in_features: int, dtype: torch.dtype,
+                     widths: tuple[int, ...]) -> list[bool]:
+    """For each width: whether the `candidate` callables beat the `baseline` ones (same layers) by MARGIN."""
+    flush = torch.zeros(FLUSH_BYTES // 4)
+    candidate, baseline = candidate[:PROBE_LAYERS], baseline[:PROBE_LAYERS]
+    faster = []
+    for rows in widths:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        _cold_seconds(candidate, x, flush, 1), _cold_seconds(baseline, x, flush, 1)  # warm-up
+        faster.append(_cold_seconds(candidate, x, flush) < MARGIN * _cold_seconds(baseline, x, flush))
+    return faster
+
+
 def measure_wide_from(layers: list[QuantizedLinear], dense: list[PackedLinear], dtype: torch.dtype) -> int | None:
     """The smallest probed width from which `dense` beats `layers` at every wider probe (None: never)."""
-    flush = torch.zeros(FLUSH_BYTES // 4)
-    layers, dense = layers[:PROBE_LAYERS], dense[:PROBE_LAYERS]
-    faster = []
-    for rows in PROBE_ROWS:
-        x = torch.randn(rows, layers[0].in_features, dtype=dtype)
-        _cold_seconds(layers, x, flush, 1), _cold_seconds(dense, x, flush, 1)  # warm-up
-        faster.append(_cold_seconds(dense, x, flush) < MARGIN * _cold_seconds(layers, x, flush))
+    faster = _faster_by_width(dense, layers, layers[0].in_features, dtype, PROBE_ROWS)
     wide_from = None
     for rows, wins in reversed(list(zip(PROBE_ROWS, faster))):
         if not wins:
             break
         wide_from = rows
     return wide_from
+
+
+def _load_choices() -> dict:
+    path = _cache_path()
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _save_choices(cached: dict) -> None:
+    path = _cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache costs a new measurement next start, nothing else
+        log.warning("could not write the kernel choices %s: %s", path, e)
+
+
+def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """Give every packed bf16 layer under `module` whose shape measures faster under the few-row
+    kernel its blocked weight and the most rows it serves (`PackedLinear.few_rows`). Returns
+    {"KxN": few_rows} for the shapes that got one."""
+    from specdecode.kernels import gemv_cpu
+
+    layers = [m for m in module.modules() if isinstance(m, PackedLinear) and m.few_rows is None]
+    layers = [m for m in layers if gemv_cpu.fits(m.in_features, dtype, m.packed.device) and m.dtype == dtype]
+    if not layers:
+        return {}
+    by_shape: dict[str, list[PackedLinear]] = {}
+    for layer in layers:
+        by_shape.setdefault(f"{layer.in_features}x{layer.out_features}-few-rows-{dtype}", []).append(layer)
+    cached, measured, chosen = _load_choices(), False, {}
+    for key, group in by_shape.items():
+        blocked = [gemv_cpu.block_weight(layer.dense_weight()) for layer in group]
+        if key not in cached:
+            kernel = [functools.partial(_few_rows_call, w=w, layer=layer) for w, layer in zip(blocked, group)]
+            faster = _faster_by_width(kernel, [layer._matmul for layer in group], group[0].in_features, dtype,
+                                      FEW_ROWS_PROBE)
+            few = 0
+            for rows, wins in zip(FEW_ROWS_PROBE, faster):
+                if not wins:
+                    break
+                few = rows
+            cached[key], measured = few or None, True
+        if cached[key] is None:
+            continue
+        for layer, w in zip(group, blocked):
+            layer.few_rows = (w, cached[key])
+        chosen[key.split("-")[0]] = cached[key]
+    if measured:
+        _save_choices(cached)
+        if chosen:
+            log.info("bf16 layers take the few-row kernel up to these widths (rows): %s", chosen)
+    return chosen
+
+
+def _few_rows_call(x: torch.Tensor, w: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    from specdecode.kernels.gemv_cpu import few_rows_linear_eager
+
+    return few_rows_linear_eager(x, w, layer.bias, layer.out_features)
+
+
+def detach_few_row_kernels(module: nn.Module) -> None:
+    """Back to oneDNN at every width (exact mode: its row tilings are probed on oneDNN's kernel)."""
+    for layer in module.modules():
+        if isinstance(layer, PackedLinear):
+            layer.few_rows = None
 
 
 def attach_wide_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, int]:
@@ -90,12 +178,7 @@ def attach_wide_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, int]
     by_shape: dict[str, list[QuantizedLinear]] = {}
     for layer in layers:
         by_shape.setdefault(f"{layer.in_features}x{layer.out_features}-{layer.scheme.name}-{dtype}", []).append(layer)
-    path = _cache_path()
-    try:
-        cached = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        cached = {}
-    chosen, measured = {}, False
+    cached, chosen, measured = _load_choices(), {}, False
     for key, group in by_shape.items():
         dense = [PackedLinear(layer.dequantize().to(dtype), layer.bias) for layer in group]
         if key not in cached:
@@ -108,10 +191,7 @@ def attach_wide_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, int]
             layer.wide = (copy, wide_from)
         chosen[key.split("-")[0]] = wide_from
     if measured:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(cached, indent=1))
-        tmp.replace(path)
+        _save_choices(cached)
     if chosen:
         log.info("quantised layers take their dense copy from these widths on (rows): %s", chosen)
     return chosen

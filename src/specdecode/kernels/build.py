@@ -1,0 +1,60 @@
+"""Compiling the C++ kernels on first use, with PyTorch's extension builder, cached per source
+and CPU under $SPECDECODE_CACHE/extensions (a C++ compiler and ninja are needed, as for
+`torch.compile` on a CPU; about 30 s once)."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+
+def cpu_fingerprint() -> str:
+    """Part of a build's name: a kernel compiled with -march=native must not load on another CPU."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = line
+                break
+    except OSError:
+        pass
+    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+@functools.cache
+def load_extension(name: str, source: Path):
+    """Compile (or load the cached build of) one C++ source as a Python module; raises what the
+    build raised."""
+    from torch.utils.cpp_extension import load
+
+    from specdecode.defaults import cache_root
+
+    if shutil.which("ninja") is None:  # the ninja wheel's script sits beside this interpreter (a venv not activated)
+        os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    # -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU builds, and serial without it.
+    flags = ["-O3", "-ffp-contract=fast", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    source_hash = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    build_dir = cache_root() / "extensions" / f"{name}_{source_hash}_{cpu_fingerprint()}"
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return load(name=f"specdecode_{name}_{source_hash}", sources=[str(source)], extra_cflags=flags,
+                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=os.environ.get("SPECDECODE_VERBOSE_BUILD") == "1")

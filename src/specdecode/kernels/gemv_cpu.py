@@ -1,0 +1,67 @@
+"""Few-row bf16 matmuls for decoding on a CPU (gemv_cpu.cpp): the weights in a blocked layout
+streamed once for the 1-2 rows of a decode or drafting step, through AVX-512 BF16.
+
+Served by `PackedLinear` (models/inference.py) up to the width measured per layer shape
+(models/wide_kernels.py `attach_few_row_kernels`) where the CPU has AVX-512 BF16 and the build
+succeeds; anything else keeps oneDNN. SPECDECODE_FEW_ROW_KERNELS=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from specdecode.kernels.build import cpu_flags, load_extension
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("gemv_cpu.cpp")
+BLOCK_K = 32  # the input size must be a multiple of this
+REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+
+
+@functools.cache
+def _extension():
+    """The built module, or None where the CPU lacks AVX-512 BF16, the kernels are turned off or
+    the build failed (logged once)."""
+    if os.environ.get("SPECDECODE_FEW_ROW_KERNELS", "1") == "0" or not REQUIRED_FLAGS <= cpu_flags():
+        return None
+    try:
+        return load_extension("gemv_kernels", SOURCE)
+    except Exception as error:
+        log.warning("the few-row matmul kernel failed to build (%s: %s); oneDNN serves instead",
+                    type(error).__name__, error)
+        return None
+
+
+def fits(in_features: int, dtype: torch.dtype, device) -> bool:
+    """Whether a layer of this input size and dtype can use the kernel here."""
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and in_features % BLOCK_K == 0
+            and _extension() is not None)
+
+
+def block_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> [ceil(N/16), K/32, 16, 32], the layout the kernel reads."""
+    return _extension().block_weight(weight.contiguous())
+
+
+def few_rows_linear_eager(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                          out_features: int) -> torch.Tensor:
+    """x [M, K] bf16 -> [M, N] bf16 (bias [N] bf16 or None)."""
+    return _extension().gemm_bf16(x, blocked, bias, out_features)
+
+
+# The kernel as an opaque custom op, for compiled forwards (eager calls skip the dispatch).
+@torch.library.custom_op("specdecode::few_rows_linear", mutates_args=())
+def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+                    out_features: int) -> torch.Tensor:
+    return few_rows_linear_eager(x, blocked, bias, out_features)
+
+
+@few_rows_linear.register_fake
+def _few_rows_linear_shape(x, blocked, bias, out_features):
+    return x.new_empty(x.shape[0], out_features)
