@@ -272,7 +272,7 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
     guard.observe(16, drafted=True, tokens=40, seconds=0.040)  # 1000 tok/s drafting
     guard.observe(16, drafted=False, tokens=16, seconds=0.012)  # 1333 tok/s plain: drafting loses here
     assert [guard.choose(16, 3) for _ in range(4)] == [0, 0, 0, 3]  # plain, re-measuring drafting now and then
-    assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # and no acceptance probes where it lost
+    assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # no acceptance probe before the next exploration
     assert guard.choose(1, 3) == 3  # another batch-size bucket has its own measurements
     for _ in range(50):
         guard.observe(16, drafted=True, tokens=60, seconds=0.040)  # drafting got better: 1500 tok/s
@@ -295,6 +295,21 @@ def test_measured_guard_backs_off_while_drafting_keeps_losing():
     # Re-measured after 4, 8, 16, 16, 16 decisions, each time for a burst of 4 drafting steps
     # (the first of a burst pays the drafter's catch-up and is not measured).
     assert drafted_at == [4, 5, 6, 7, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60]
+
+
+def test_a_declined_step_probes_one_token_at_backing_off_intervals_where_drafting_lost():
+    """auto-k / D-Cut decline from the acceptance estimate; only drafted tokens refresh it, so a
+    guard that never drafted where drafting had measured slower froze both (batch 1, EAGLE-3)."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
+    assert [guard.choose(1, 0) for _ in range(8)] == [0] * 8  # unmeasured: the model's "no" stands
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
+    guard.observe(1, drafted=True, tokens=1, seconds=0.030)
+    guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # drafting lost at batch 1
+    choices = [guard.choose(1, 0) for _ in range(60)]
+    assert [i + 1 for i, k in enumerate(choices) if k] == [4, 12, 28, 44, 60]  # intervals 4, 8, 16, 16, 16
+    assert set(choices) == {0, 1}  # a probe is one token
 
 
 def test_measured_guard_needs_several_steps_per_arm():
@@ -339,3 +354,22 @@ def test_the_guard_compares_steps_in_units_of_the_machines_speed_at_the_time():
         depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
     # In wall seconds: 91 against 100 tok/s, drafting "loses"; in step units it wins clearly.
     assert depth.guard.rate(1, True) > 1.2 * depth.guard.rate(1, False)
+
+
+def test_dcut_probes_acceptance_with_one_token_where_it_declines_and_drafting_lost():
+    """Where the policy declines, the guard's one-token probe is the only refresh of the
+    acceptance estimate (D-Cut keeps every draft's first position, so it is verified)."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
+    depth = DepthController(config, lambda: LINEAR)  # every verified token costs a whole step
+    depth.guard = type(depth.guard)(4, explore_every=4, probe_every=1000, min_samples=1)
+    depth.guard.observe(1, drafted=True, tokens=1, seconds=0.030)
+    depth.guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # drafting lost
+    for _ in range(50):  # and acceptance measured poor: auto-k's model declines
+        depth.estimator.update([4], [0], None)
+
+    class Seq:
+        room = 100
+
+    plans = [depth.plan([Seq()], [1]) for _ in range(12)]
+    assert [p.max_tokens[0] for p in plans] == [0, 0, 0, 1] + [0] * 7 + [1]  # probes after 4, then 8 decisions
+    assert depth.verify_lengths([Seq()], [1], [[0.01]]) == [1]

@@ -28,11 +28,11 @@ def test_the_kernel_computes_the_matmul(n, k, bias):
     for m in (1, 2, 3, 4, 5, 9, 16):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
         ref = x.float() @ w.float().T + (b.float() if bias else 0)  # [m, n] in float32
-        out = gemv_cpu.few_rows_linear_eager(x, blocked, b, n)
+        out = gemv_cpu.few_rows_linear(x, blocked, b, n)
         assert out.shape == (m, n) and out.dtype == torch.bfloat16
         # bf16 output: within two of its units in the last place, plus float32 summation error
         torch.testing.assert_close(out.float(), ref, rtol=2 ** -7, atol=1e-4 * k ** 0.5)
-    wrong = gemv_cpu.few_rows_linear_eager(x, gemv_cpu.block_weight(_weight(n, k, seed=1)), b, n)
+    wrong = gemv_cpu.few_rows_linear(x, gemv_cpu.block_weight(_weight(n, k, seed=1)), b, n)
     assert not torch.allclose(wrong.float(), ref, rtol=2 ** -7, atol=1e-3)  # the check can fail
 
 
@@ -40,9 +40,9 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     w = _weight(300, 512)
     blocked = gemv_cpu.block_weight(w)
     x = torch.randn(16, 512).bfloat16()
-    alone = torch.cat([gemv_cpu.few_rows_linear_eager(x[i:i + 1], blocked, None, 300) for i in range(16)])
+    alone = torch.cat([gemv_cpu.few_rows_linear(x[i:i + 1], blocked, None, 300) for i in range(16)])
     for m in range(1, 17):
-        assert torch.equal(gemv_cpu.few_rows_linear_eager(x[:m], blocked, None, 300), alone[:m]), m
+        assert torch.equal(gemv_cpu.few_rows_linear(x[:m], blocked, None, 300), alone[:m]), m
 
 
 def test_a_packed_layer_takes_the_kernel_up_to_its_width_and_onednn_past_it():
@@ -52,20 +52,26 @@ def test_a_packed_layer_takes_the_kernel_up_to_its_width_and_onednn_past_it():
     onednn = [t.clone() for t in layer(x)]
     layer.few_rows = (gemv_cpu.block_weight(w), 2)
     narrow = layer(x[:1, :2])  # 2 rows: the kernel
-    kernel = gemv_cpu.few_rows_linear_eager(x[0, :2], layer.few_rows[0], b, 96)
+    kernel = gemv_cpu.few_rows_linear(x[0, :2], layer.few_rows[0], b, 96)
     assert torch.equal(torch.cat(narrow, dim=-1)[0], kernel)
     assert [t.shape for t in narrow] == [(1, 2, 64), (1, 2, 32)]
     assert all(torch.equal(a, c) for a, c in zip(layer(x), onednn))  # 6 rows: oneDNN, as before
 
 
-def test_a_compiled_forward_calls_the_kernel_without_a_graph_break():
+def test_a_compiled_forward_picks_the_kernel_by_width_without_a_guard_or_graph_break():
+    from torch._dynamo.utils import counters
+
     w = _weight(64, 32)
     layer = PackedLinear(w, None)
     layer.few_rows = (gemv_cpu.block_weight(w), 4)
-    compiled = torch.compile(layer, fullgraph=True)
-    for rows in (1, 3, 8):  # the kernel, then oneDNN
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    compiled(torch.randn(2, 32).bfloat16())
+    graphs = counters["stats"]["unique_graphs"]
+    for rows in (3, 4, 5, 8, 2):  # the kernel, then oneDNN, then the kernel: one graph for all
         x = torch.randn(rows, 32).bfloat16()
-        assert torch.equal(compiled(x), layer(x))
+        expected = gemv_cpu.few_rows_linear(x, layer.few_rows[0], None, 64) if rows <= 4 else layer(x)
+        assert torch.equal(compiled(x), expected)
+    assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
@@ -83,7 +89,7 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert probes == [32, 64]  # one probe per shape; 40 inputs are no multiple of 32: not probed
     assert [m.few_rows and m.few_rows[1] for m in model] == [2, 2, 2, None]
     x = torch.randn(2, 32).bfloat16()
-    assert torch.equal(model[1](x), gemv_cpu.few_rows_linear_eager(x, model[1].few_rows[0], None, 64))
+    assert torch.equal(model[1](x), gemv_cpu.few_rows_linear(x, model[1].few_rows[0], None, 64))
     detach_few_row_kernels(model)
     assert all(m.few_rows is None for m in model)
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2} and len(probes) == 2  # cached

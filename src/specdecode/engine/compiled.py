@@ -52,10 +52,7 @@ class CompiledForward:
         self.name = name
         if enabled:
             apply_compile_settings()
-        # Module attributes are not guarded: a served model is frozen before its first forward
-        # (weights, kernel choices), and checking its hundreds of attributes cost ~190 us a call.
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self.compiled = torch.compile(forward, dynamic=True, options=options) if enabled else None
+        self.compiled = torch.compile(forward, dynamic=True) if enabled else None
         self.seconds = 0.0  # wall time of the calls that compiled a new graph
         self.num_graphs = 0
 

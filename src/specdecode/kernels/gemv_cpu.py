@@ -1,7 +1,7 @@
 """Few-row bf16 matmuls for decoding on a CPU (gemv_cpu.cpp): the weights in a blocked layout
 streamed once for the 1-2 rows of a decode or drafting step, through AVX-512 BF16.
 
-Served by `PackedLinear` (models/inference.py) up to the width measured per layer shape
+Served by `PackedLinear` (models/inference.py; inside its custom op when compiled) up to the width measured per layer shape
 (models/wide_kernels.py `attach_few_row_kernels`) where the CPU has AVX-512 BF16 and the build
 succeeds; anything else keeps oneDNN. SPECDECODE_FEW_ROW_KERNELS=0 turns them off.
 """
@@ -49,19 +49,7 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     return _extension().block_weight(weight.contiguous())
 
 
-def few_rows_linear_eager(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
+def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
                           out_features: int) -> torch.Tensor:
     """x [M, K] bf16 -> [M, N] bf16 (bias [N] bf16 or None)."""
     return _extension().gemm_bf16(x, blocked, bias, out_features)
-
-
-# The kernel as an opaque custom op, for compiled forwards (eager calls skip the dispatch).
-@torch.library.custom_op("specdecode::few_rows_linear", mutates_args=())
-def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
-                    out_features: int) -> torch.Tensor:
-    return few_rows_linear_eager(x, blocked, bias, out_features)
-
-
-@few_rows_linear.register_fake
-def _few_rows_linear_shape(x, blocked, bias, out_features):
-    return x.new_empty(x.shape[0], out_features)

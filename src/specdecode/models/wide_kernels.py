@@ -156,9 +156,9 @@ def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, i
 
 
 def _few_rows_call(x: torch.Tensor, w: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
-    from specdecode.kernels.gemv_cpu import few_rows_linear_eager
+    from specdecode.kernels.gemv_cpu import few_rows_linear
 
-    return few_rows_linear_eager(x, w, layer.bias, layer.out_features)
+    return few_rows_linear(x, w, layer.bias, layer.out_features)
 
 
 def detach_few_row_kernels(module: nn.Module) -> None:

@@ -23,8 +23,9 @@ class MeasuredGuard:
 
     Acceptance is only measured where drafts are verified: a policy that stops drafting
     position i (or drafting at all) after a few rejections would never see it recover. So,
-    where drafting has measured faster, a declined step drafts one token now and then, and
-    every `probe_every`-th drafting step drafts one position deeper than chosen.
+    once both arms are measured, a declined step drafts one token at each exploration (backing
+    off where drafting loses), and every `probe_every`-th drafting step drafts one position
+    deeper than chosen.
     Timing and counts are of past steps only: lossless like every other depth decision.
     """
 
@@ -75,8 +76,12 @@ class MeasuredGuard:
             # Re-measuring drafting where it loses costs a drafter catch-up over every token decoded
             # since: back off (32, 64, ... decisions) while it keeps losing.
             self.interval[bucket] = min(2 * interval, self.max_interval) if loses else self.explore_every
-        if k == 0:  # the model declined: re-measure acceptance now and then where drafting has paid
-            return 1 if explore and measured and spec > plain else 0
+        if k == 0:  # the model declined: re-measure acceptance with one token now and then
+            # Also where drafting measured slower: the model's "no" comes from the acceptance
+            # estimate, which nothing else refreshes while nothing is drafted (traced: D-Cut with
+            # EAGLE-3 at batch 1 drafted 53 tokens in a whole run and stayed off). There the
+            # interval backs off like the re-measurements of drafting, and a probe is one token.
+            return 1 if explore and measured else 0
         if loses and self.burst_left.get(bucket, 0) > 0:  # the rest of a re-measurement burst
             self.burst_left[bucket] -= 1
             return k
