@@ -5,9 +5,9 @@ Decode, verify and drafting forwards are compiled with dynamic shapes; prefill-s
 kind of forward, the first time that kind runs: batch 1 or more x 1 or more new tokens (PyTorch
 specialises sizes 0 and 1), times the hidden-state taps asked for. Every width, batch size and
 context after reuses them (tests/test_compile.py counts them). A quantised target whose layers
-take a dense copy from some width on (models/wide_kernels.py) adds a graph for the forwards at
-or past each such width, once: its size check is a guard. The compile time is logged and summed
-in `seconds`.
+take a dense copy from some width on (models/wide_kernels.py) makes that choice inside one custom
+op per layer (`specdecode::quantized_linear`), so it adds no graph. The compile time is logged
+and summed in `seconds`.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Few-row bf16 matmuls for decoding on a CPU (gemv_cpu.cpp): the weights in a blocked layout
 streamed once for the 1-2 rows of a decode or drafting step, through AVX-512 BF16.
 
-Served by `PackedLinear` (models/inference.py; inside its custom op when compiled) up to the width measured per layer shape
+Served by `PackedLinear` (models/inference.py; eager forwards only) up to the width measured per layer shape
 (models/wide_kernels.py `attach_few_row_kernels`) where the CPU has AVX-512 BF16 and the build
 succeeds; anything else keeps oneDNN. SPECDECODE_FEW_ROW_KERNELS=0 turns them off.
 """

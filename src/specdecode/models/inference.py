@@ -26,30 +26,15 @@ PACK_BATCH_HINT = 8  # oneDNN picks its layout for this many rows; measured best
 
 
 # The packed matmul as an opaque custom op: inductor (torch.compile) cannot lower the mkldnn op
-# itself, so a compiled forward calls it as an external kernel between its fused parts. With a
-# few-row kernel (`blocked`, serving calls of at most `few_rows` rows) the op picks the kernel by
-# the rows it gets, so the choice is no shape guard of the graph (a guard per threshold made a new
-# graph for each range of widths, compiled inside timed steps).
+# itself, so a compiled forward calls it as an external kernel between its fused parts.
 @torch.library.custom_op("specdecode::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                  blocked: torch.Tensor | None = None, few_rows: int = 0) -> torch.Tensor:
-    return _packed_matmul(x, packed, bias, out_features, blocked, few_rows)
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 @packed_linear.register_fake
-def _packed_linear_shape(x, packed, bias, out_features, blocked=None, few_rows=0):
+def _packed_linear_shape(x, packed, bias, out_features):
     return x.new_empty(*x.shape[:-1], out_features)
-
-
-def _packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None, out_features: int,
-                   blocked: torch.Tensor | None, few_rows: int) -> torch.Tensor:
-    """x [..., K] -> [..., N]: the few-row kernel for at most `few_rows` rows, else oneDNN."""
-    if blocked is not None and x.numel() <= few_rows * x.shape[-1]:
-        from specdecode.kernels.gemv_cpu import few_rows_linear
-
-        rows = x.reshape(-1, x.shape[-1])  # the kernel takes 2-D rows
-        return few_rows_linear(rows, blocked, bias, out_features).view(*x.shape[:-1], out_features)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
@@ -70,14 +55,22 @@ class PackedLinear(nn.Module):
         self.split_sizes = split_sizes
         self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
         # Decode widths (models/wide_kernels.py attach_few_row_kernels): (the weight in the few-row
-        # kernel's blocked layout, the most rows it serves); narrower forwards than that take it.
+        # kernel's blocked layout, the most rows it serves); eager forwards that narrow take it.
         self.few_rows: tuple[torch.Tensor, int] | None = None
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        blocked, few_rows = self.few_rows if self.few_rows is not None else (None, 0)
-        if torch.compiler.is_compiling():  # eager skips the custom op's dispatch (measured +50 us a call)
-            return packed_linear(x, self.packed, self.bias, self.out_features, blocked, few_rows)
-        return _packed_matmul(x, self.packed, self.bias, self.out_features, blocked, few_rows)
+        if torch.compiler.is_compiling():
+            # Compiled forwards keep oneDNN: with the few-row kernel in their 1-token graph, compiled
+            # n-gram speculation in `specdecode bench` ran 1.02x plain instead of 1.7-1.8x (plain
+            # itself 1.17x faster); not understood yet, so the kernel serves eager forwards only.
+            return packed_linear(x, self.packed, self.bias, self.out_features)  # eager skips the op's dispatch (+50 us)
+        if self.few_rows is not None and x.numel() <= self.few_rows[1] * self.in_features:
+            from specdecode.kernels.gemv_cpu import few_rows_linear
+
+            rows = x.reshape(-1, self.in_features)  # the kernel takes 2-D rows
+            return few_rows_linear(rows, self.few_rows[0], self.bias, self.out_features).view(*x.shape[:-1],
+                                                                                              self.out_features)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor):
         """x [..., K] -> [..., N] (or one view per split size)."""

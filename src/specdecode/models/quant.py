@@ -185,22 +185,17 @@ class QuantizedLinear(nn.Module):
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if self._uses_kernel(x.dtype, x.device):
+            qweight, scales = self._kernel_tensors(x.dtype)
+            group = 0 if self.scheme.bits == 8 else self.scheme.group_size
+            wide, wide_from = (self.wide[0].packed, self.wide[1]) if self.wide is not None else (None, 0)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            if torch.compiler.is_compiling():  # one opaque op: the width choice is no shape guard of the graph
+                return quantized_linear(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
+            return _quantized_matmul(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
         if self.wide is not None and x.numel() >= self.wide[1] * self.in_features:
             return self.wide[0](x)  # a wide forward: the dense copy (bias included)
-        if self._uses_kernel(x.dtype, x.device):
-            rows = x.reshape(-1, self.in_features)  # the kernels take 2-D rows
-            if self.scheme.bits == 8:
-                qweight, scales = self._kernel_tensors(x.dtype)
-                out = torch._weight_int8pack_mm(rows, qweight, scales)
-            else:
-                packed, scales_zeros = self._kernel_tensors(x.dtype)
-                out = torch._weight_int4pack_mm_for_cpu(rows, packed, self.scheme.group_size, scales_zeros)
-            out = out.view(*x.shape[:-1], self.out_features)
-            if self.bias is not None:
-                out = out + self.bias.to(out.dtype)
-        else:
-            out = F.linear(x, self._dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return out
+        return F.linear(x, self._dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
         """Output rows [start, stop) as a layer of their own, sharing this one's storage."""
@@ -212,6 +207,35 @@ class QuantizedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features} -> {self.out_features}, {self.scheme.name}"
+
+
+def _quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                      out_features: int, group_size: int, wide: torch.Tensor | None, wide_from: int) -> torch.Tensor:
+    """x [..., K] -> [..., N] through PyTorch's int kernels (group_size 0: int8; else int4 in tinygemm's
+    layout, `scales` its scales and zeros), or, from `wide_from` rows on, the dense packed copy `wide`."""
+    if wide is not None and x.numel() >= wide_from * x.shape[-1]:
+        return torch.ops.mkldnn._linear_pointwise(x, wide, bias, "none", [], "")
+    rows = x.reshape(-1, x.shape[-1])  # the kernels take 2-D rows
+    if group_size == 0:
+        out = torch._weight_int8pack_mm(rows, qweight, scales)
+    else:
+        out = torch._weight_int4pack_mm_for_cpu(rows, qweight, group_size, scales)
+    out = out.view(*x.shape[:-1], out_features)
+    return out if bias is None else out + bias
+
+
+# The quantised matmul as an opaque custom op for compiled forwards: the dense copy's width
+# threshold, checked inside, would otherwise be a shape guard, and each range of widths a graph
+# of its own, compiled the first time a step of that width ran (measured: inside timed rounds).
+@torch.library.custom_op("specdecode::quantized_linear", mutates_args=())
+def quantized_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                     out_features: int, group_size: int, wide: torch.Tensor | None, wide_from: int) -> torch.Tensor:
+    return _quantized_matmul(x, qweight, scales, bias, out_features, group_size, wide, wide_from)
+
+
+@quantized_linear.register_fake
+def _quantized_linear_shape(x, qweight, scales, bias, out_features, group_size, wide, wide_from):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def quantize_module(module: nn.Module, scheme: QuantScheme | None, cache: "QuantCache | None" = None) -> nn.Module:

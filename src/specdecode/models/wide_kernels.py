@@ -47,7 +47,10 @@ PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
 MARGIN = 0.95  # the dense copy must be this much faster: a near tie keeps the int kernel (less memory)
 FLUSH_BYTES = 64 << 20  # written between timed calls: more than the last-level cache of the CPUs we serve on
 PROBE_LAYERS = 4  # layers of a shape timed per probe
-FEW_ROWS_PROBE = (1, 2, 3, 4, 6, 8)  # widths the few-row kernel is probed at
+# Widths the few-row kernel is probed at. Probed alone, small layers (512 -> 512, 512 -> 1024) measured
+# it faster up to 8 rows, but whole forwards of 3-8 tokens measured 0.1-0.2 ms slower with it than
+# with oneDNN (EAGLE-3 / MTP k=4 verification 4-6% slower end to end), and 1-2 rows 0.4-1.0 ms faster.
+FEW_ROWS_PROBE = (1, 2)
 
 
 def _cache_path():
@@ -129,7 +132,9 @@ def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, i
         return {}
     by_shape: dict[str, list[PackedLinear]] = {}
     for layer in layers:
-        by_shape.setdefault(f"{layer.in_features}x{layer.out_features}-few-rows-{dtype}", []).append(layer)
+        # The probed widths are part of the key: a choice made over other widths is not this one.
+        by_shape.setdefault(f"{layer.in_features}x{layer.out_features}-few-rows{max(FEW_ROWS_PROBE)}-{dtype}",
+                            []).append(layer)
     cached, measured, chosen = _load_choices(), False, {}
     for key, group in by_shape.items():
         blocked = [gemv_cpu.block_weight(layer.dense_weight()) for layer in group]
