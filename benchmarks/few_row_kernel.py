@@ -1,0 +1,61 @@
+"""The few-row bf16 kernel (kernels/gemv_cpu.cpp) against oneDNN's packed matmul, by rows.
+
+    python benchmarks/few_row_kernel.py --out benchmarks/results/engine/few_row_kernel.json
+
+Every linear layer of the default model in turn (25 matmuls, as in one forward, so each comes
+after the others' weights), random bf16 weights of those shapes, 1-16 rows, 2 threads; the
+fastest of `--repeats` passes per kernel and width, the kernels interleaved pass by pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from specdecode.kernels import gemv_cpu
+
+# The default model: per layer qkv 512 -> 1024, o 512 -> 512, gate/up 512 -> 2816, down 1408 -> 512; 6 layers; LM head 512 -> 8192.
+LAYERS = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 6 + [(8192, 512)]
+ROWS = [1, 2, 3, 4, 8, 16]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if not gemv_cpu.fits(512, torch.bfloat16, "cpu"):
+        raise SystemExit("the few-row kernel does not run here (it needs AVX-512 BF16 and a C++ compiler)")
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in LAYERS]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    blocked = [gemv_cpu.block_weight(w) for w in weights]
+    kernels = {
+        "onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed)],
+        "few_rows": lambda xs: [gemv_cpu.few_rows_linear(x, b, None, w.shape[0]) for x, b, w in zip(xs, blocked, weights)],
+    }
+    result = {"threads": torch.get_num_threads(), "torch": torch.__version__, "ms_per_forward": {}}
+    with torch.inference_mode():
+        for rows in ROWS:
+            xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in LAYERS]
+            best = {name: float("inf") for name in kernels}
+            for name, fn in kernels.items():
+                fn(xs)  # warm-up
+            for _ in range(args.repeats):
+                for name, fn in kernels.items():
+                    start = time.perf_counter()
+                    fn(xs)
+                    best[name] = min(best[name], time.perf_counter() - start)
+            result["ms_per_forward"][rows] = {name: round(s * 1e3, 3) for name, s in best.items()}
+            print(f"{rows:2d} rows: oneDNN {best['onednn'] * 1e3:.3f} ms, few-row kernel {best['few_rows'] * 1e3:.3f} ms")
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
