@@ -6,9 +6,8 @@ import pytest
 import torch
 
 from specdecode.kernels import gemv_cpu
-from specdecode.models import wide_kernels
-from specdecode.models.inference import PackedLinear, can_pack
-from specdecode.models.wide_kernels import attach_few_row_kernels, detach_few_row_kernels
+from specdecode.models import kernel_probe
+from specdecode.models.inference import PackedLinear, attach_few_row_kernels, can_pack, detach_few_row_kernels
 
 pytestmark = pytest.mark.skipif(
     not (can_pack(torch.bfloat16, torch.device("cpu")) and gemv_cpu.fits(32, torch.bfloat16, "cpu")),
@@ -77,7 +76,7 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
         probes.append(in_features)
         return [True, False][:len(widths)]  # wins at 1 row, loses at 2
 
-    monkeypatch.setattr(wide_kernels, "_faster_by_width", faster)
+    monkeypatch.setattr(kernel_probe, "faster_by_width", faster)
     model = torch.nn.Sequential(PackedLinear(_weight(64, 32), None), PackedLinear(_weight(64, 32, 1), None),
                                 PackedLinear(_weight(32, 64), None), PackedLinear(_weight(8, 40), None))
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 1, "64x32": 1}
@@ -89,7 +88,7 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert all(m.few_rows is None for m in model)
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 1, "64x32": 1} and len(probes) == 2  # cached
 
-    monkeypatch.setattr(wide_kernels, "_faster_by_width", lambda *a: [False] * 2)
+    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda *a: [False] * 2)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "other"))
     fresh = torch.nn.Sequential(PackedLinear(_weight(64, 32), None))
     assert attach_few_row_kernels(fresh, torch.bfloat16) == {} and fresh[0].few_rows is None  # never faster

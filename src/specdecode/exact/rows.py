@@ -141,7 +141,7 @@ def make_rows_invariant(model: nn.Module, dtype: torch.dtype, device) -> dict[st
     from specdecode.models.inference import FusedMember, PackedLinear
     from specdecode.models.llama import FUSED_MEMBERS, FusedLinear
     from specdecode.models.quant import QuantizedLinear
-    from specdecode.models.wide_kernels import detach_few_row_kernels
+    from specdecode.models.inference import detach_few_row_kernels
 
     detach_few_row_kernels(model)  # one kernel at every width: the tilings are probed on oneDNN's
     layer_types = (nn.Linear, PackedLinear, QuantizedLinear)

@@ -9,9 +9,10 @@
 // A block keeps R x J = 16 fp32 accumulators in registers (R <= 4 rows at a time, J = 16 / R
 // outputs per pass; later passes read the block from L1/L2), multiplies with vdpbf16ps (pairs of
 // bf16 products summed into fp32) and reduces all 16 accumulators in one shuffle tree.
-// Measured (BENCHMARKS.md): 1.08 ms against oneDNN's 1.52 at one row, 1.20 / 1.54 at two; from
-// four rows on oneDNN (AMX or AVX-512 GEMM) is faster, so the served layer measures per shape up
-// to which width this kernel serves (models/wide_kernels.py).
+// Measured (BENCHMARKS.md): 1.08-1.34 ms against oneDNN's 1.52-1.76 at one row, 1.20-1.73 /
+// 1.54-1.89 at two; from three rows on oneDNN (AMX or AVX-512 GEMM) is faster, so a served layer
+// takes this kernel for eager forwards of 1-2 rows where its shape measured faster
+// (models/inference.py attach_few_row_kernels).
 //
 // Each row's result is computed by the same instruction sequence whatever M is (the rows of a
 // group only share the weights' loads), so a row's output does not depend on its neighbours.

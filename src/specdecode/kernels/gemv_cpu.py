@@ -2,7 +2,7 @@
 streamed once for the 1-2 rows of a decode or drafting step, through AVX-512 BF16.
 
 Served by `PackedLinear` (models/inference.py; eager forwards only) up to the width measured per layer shape
-(models/wide_kernels.py `attach_few_row_kernels`) where the CPU has AVX-512 BF16 and the build
+(models/inference.py `attach_few_row_kernels`) where the CPU has AVX-512 BF16 and the build
 succeeds; anything else keeps oneDNN. SPECDECODE_FEW_ROW_KERNELS=0 turns them off.
 """
 

@@ -15,12 +15,16 @@ one row, 4.0 against 2.8 ms at eight rows; the results are bit-identical (same o
 
 from __future__ import annotations
 
+import functools
+import logging
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
+
+log = logging.getLogger(__name__)
 
 PACK_BATCH_HINT = 8  # oneDNN picks its layout for this many rows; measured best over 1-16 rows here
 
@@ -116,6 +120,68 @@ def pack_linears(module: nn.Module) -> nn.Module:
     return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias))
 
 
+# Widths the few-row kernel is probed at. Probed alone, small layers (512 -> 512, 512 -> 1024) measured
+# it faster up to 8 rows, but whole forwards of 3-8 tokens measured 0.1-0.2 ms slower with it than
+# with oneDNN (EAGLE-3 / MTP k=4 verification 4-6% slower end to end), and 1-2 rows 0.4-1.0 ms faster.
+FEW_ROWS_PROBE = (1, 2)
+
+
+def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, int]:
+    """Give every packed bf16 layer under `module` whose shape measures faster under the few-row
+    kernel its blocked weight and the most rows it serves (`PackedLinear.few_rows`). Returns
+    {"KxN": few_rows} for the shapes that got one."""
+    from specdecode.kernels import gemv_cpu
+    from specdecode.models.kernel_probe import faster_by_width, load_choices, save_choices
+
+    layers = [m for m in module.modules() if isinstance(m, PackedLinear) and m.few_rows is None]
+    layers = [m for m in layers if gemv_cpu.fits(m.in_features, dtype, m.packed.device) and m.dtype == dtype]
+    if not layers:
+        return {}
+    by_shape: dict[str, list[PackedLinear]] = {}
+    for layer in layers:
+        # The probed widths are part of the key: a choice made over other widths is not this one.
+        by_shape.setdefault(f"{layer.in_features}x{layer.out_features}-few-rows{max(FEW_ROWS_PROBE)}-{dtype}",
+                            []).append(layer)
+    cached, measured, chosen = load_choices(), False, {}
+    for key, group in by_shape.items():
+        if key in cached and cached[key] is None:
+            continue
+        blocked = [gemv_cpu.block_weight(layer.dense_weight()) for layer in group]
+        if key not in cached:
+            kernel = [functools.partial(_few_rows_call, w=w, layer=layer) for w, layer in zip(blocked, group)]
+            faster = faster_by_width(kernel, [layer._matmul for layer in group], group[0].in_features, dtype,
+                                      FEW_ROWS_PROBE)
+            few = 0
+            for rows, wins in zip(FEW_ROWS_PROBE, faster):
+                if not wins:
+                    break
+                few = rows
+            cached[key], measured = few or None, True
+        if cached[key] is None:
+            continue
+        for layer, w in zip(group, blocked):
+            layer.few_rows = (w, cached[key])
+        chosen[key.split("-")[0]] = cached[key]
+    if measured:
+        save_choices(cached)
+        if chosen:
+            log.info("bf16 layers take the few-row kernel up to these widths (rows): %s", chosen)
+    return chosen
+
+
+def _few_rows_call(x: torch.Tensor, w: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
+    from specdecode.kernels.gemv_cpu import few_rows_linear
+
+    return few_rows_linear(x, w, layer.bias, layer.out_features)
+
+
+def detach_few_row_kernels(module: nn.Module) -> None:
+    """Back to oneDNN at every width (exact mode: its row tilings are probed on oneDNN's kernel)."""
+    for layer in module.modules():
+        if isinstance(layer, PackedLinear):
+            layer.few_rows = None
+
+
 def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype) -> nn.Module:
     """The output rows `index` [n] of a served linear layer (dense, packed or quantised) as a layer
     of their own, served the same way: quantised rows keep their stored values, packed ones are
@@ -128,8 +194,6 @@ def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype
         rows.prepare(dtype)
         return rows
     if isinstance(layer, PackedLinear):
-        from specdecode.models.wide_kernels import attach_few_row_kernels
-
         rows = PackedLinear(layer.dense_weight()[index], bias)
         attach_few_row_kernels(rows, dtype)
         return rows
@@ -155,8 +219,6 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
                 layer.prepare(dtype)
         return module
     if can_pack(dtype, device):
-        from specdecode.models.wide_kernels import attach_few_row_kernels
-
         module = pack_linears(module)
         attach_few_row_kernels(module, dtype)
     return module

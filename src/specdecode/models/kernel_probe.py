@@ -1,0 +1,83 @@
+"""Measuring which kernel is faster for a layer shape, by width, on this machine, and caching the
+choice (by shape, scheme, dtype, threads, torch and CPU), so every start of the same setup runs
+the same kernels. Used by the per-width kernel choices of served layers: the dense copy of
+quantised layers for verification widths (`models/wide_kernels.py`) and the few-row bf16 kernel
+for decode widths (`models/inference.py`).
+
+Each candidate is timed on up to `PROBE_LAYERS` layers of the shape, their weights evicted from
+the caches before each call (a forward reads a model's weights from memory: in-cache timing hid
+the int kernels' one-row advantage), the fastest of a few calls per layer, summed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import torch
+
+log = logging.getLogger(__name__)
+
+MARGIN = 0.95  # a candidate must be this much faster: a near tie keeps the baseline (less memory)
+FLUSH_BYTES = 64 << 20  # written between timed calls: more than the last-level cache of most CPUs we serve on
+PROBE_LAYERS = 4  # layers of a shape timed per probe
+
+
+def cache_path():
+    """The choices of this CPU, thread count and torch (one JSON file of {key: choice})."""
+    from specdecode.defaults import cache_root
+    from specdecode.kernels.build import cpu_fingerprint
+
+    return cache_root() / "wide_kernels" / f"{cpu_fingerprint()}-t{torch.get_num_threads()}.json"
+
+
+def cold_seconds(layers: list, x: torch.Tensor, flush: torch.Tensor, repeats: int = 3) -> float:
+    """Seconds of one call on x, its weights out of the caches (as in a forward, which reads a model's
+    weights from memory: in-cache timing hides the int kernels' 1-row advantage, which is bandwidth).
+    The fastest of `repeats` per layer, summed over the layers."""
+    total = 0.0
+    for layer in layers:
+        best = float("inf")
+        for _ in range(repeats):
+            flush.add_(1)  # evicts the caches
+            start = time.perf_counter()
+            layer(x)
+            best = min(best, time.perf_counter() - start)
+        total += best
+    return total
+
+
+@torch.inference_mode()
+def faster_by_width(candidate: list, baseline: list, in_features: int, dtype: torch.dtype,
+                     widths: tuple[int, ...]) -> list[bool]:
+    """For each width: whether the `candidate` callables beat the `baseline` ones (same layers) by MARGIN."""
+    flush = torch.zeros(FLUSH_BYTES // 4)
+    candidate, baseline = candidate[:PROBE_LAYERS], baseline[:PROBE_LAYERS]
+    faster = []
+    for rows in widths:
+        x = torch.randn(rows, in_features, dtype=dtype)
+        cold_seconds(candidate, x, flush, 1), cold_seconds(baseline, x, flush, 1)  # warm-up
+        faster.append(cold_seconds(candidate, x, flush) < MARGIN * cold_seconds(baseline, x, flush))
+    return faster
+
+
+def load_choices() -> dict:
+    """Every cached choice (empty when none or unreadable: they are measured again)."""
+    path = cache_path()
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def save_choices(cached: dict) -> None:
+    """Write the choices atomically."""
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(cached, indent=1))
+        tmp.replace(path)
+    except OSError as e:  # a read-only cache costs a new measurement next start, nothing else
+        log.warning("could not write the kernel choices %s: %s", path, e)
