@@ -19,7 +19,6 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <cstring>
 
 namespace {
 
@@ -27,9 +26,9 @@ constexpr int64_t kBlockN = 16;  // output channels per block
 constexpr int64_t kBlockK = 32;  // inputs per step (one vdpbf16ps)
 constexpr int64_t kMaxRows = 4;  // rows sharing one pass over a block's weights
 
-// Sums of 16 vectors' lanes as one vector: lane i of the result is the sum of v[kReducedFrom[i]].
-// Each vector's lanes are added in the same pattern wherever it sits among the 16, so a row's
-// results do not depend on the rows reduced beside it.
+// Sums of 16 vectors' lanes as one vector, lane i holding one vector's sum (`ReduceOrder` says
+// which). Each vector's lanes are added in the same pattern wherever it sits among the 16, so a
+// row's results do not depend on the rows reduced beside it.
 inline __m512 reduce16x16(__m512 v[16]) {
   __m512 a[8], b[4], c[2];
 #pragma GCC unroll 8
