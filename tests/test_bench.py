@@ -217,3 +217,15 @@ def test_the_vllm_peer_runs_the_same_drafters_and_k(native_model, trained_drafte
     monkeypatch.delenv("SPECDECODE_VLLM_PYTHON", raising=False)
     with pytest.raises(ImportError, match="SPECDECODE_VLLM_PYTHON"):
         run_vllm(native_model, configs, [[1, 2, 3]], 4, lambda m: None, torch.bfloat16)
+
+
+def test_a_peers_error_names_this_machines_paths_by_their_variables(tmp_path, monkeypatch):
+    from specdecode.bench.harness import portable
+
+    monkeypatch.setenv("SPECDECODE_LLAMA_CPP_BIN", str(tmp_path / "llama" / "bin"))
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    error = (f"Command '['{tmp_path}/llama/bin/llama-bench', '-m', '{tmp_path}/cache/gguf/m-Q8_0.gguf']' "
+             "died with <Signals.SIGSEGV: 11>.")
+    assert portable(error) == ("Command '['$SPECDECODE_LLAMA_CPP_BIN/llama-bench', '-m', "
+                               "'$SPECDECODE_CACHE/gguf/m-Q8_0.gguf']' died with <Signals.SIGSEGV: 11>.")
+    assert portable("no path here") == "no path here"

@@ -178,6 +178,21 @@ def _equal_to_plain(outputs: list[list[int]], baseline_outputs: list) -> str:
     return f"{same}/{len(outputs)}"
 
 
+def portable(text: str) -> str:
+    """A peer's error with this machine's paths named by the variables that set them
+    ($SPECDECODE_LLAMA_CPP_BIN, $SPECDECODE_VLLM_PYTHON, $SPECDECODE_CACHE, ~): results are
+    committed and shared."""
+    import os
+
+    from specdecode.defaults import cache_root
+
+    places = [(os.environ.get(var), f"${var}") for var in ("SPECDECODE_LLAMA_CPP_BIN", "SPECDECODE_VLLM_PYTHON")]
+    places += [(str(cache_root()), "$SPECDECODE_CACHE"), (str(Path.home()), "~")]
+    for path, name in sorted(((p.rstrip("/"), n) for p, n in places if p and p.rstrip("/")), key=lambda x: -len(x[0])):
+        text = text.replace(path, name)
+    return text
+
+
 def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: float, baseline,
                errors: dict[str, str]) -> list[dict]:
     """Peer engines on the same checkpoint, prompts and draft model (batch 1, greedy): HF
@@ -214,15 +229,15 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
             rows = runners[engine]()
         except ImportError as e:
             log.warning("peer %s unavailable: %s", engine, e)
-            errors[engine] = f"not installed: {e}"
+            errors[engine] = portable(f"not installed: {e}")
             continue
         except Exception as e:  # a peer that fails must not cost the run its own results
             log.warning("peer %s failed: %r", engine, e)
-            errors[engine] = f"failed: {type(e).__name__}: {e}"
+            errors[engine] = portable(f"failed: {type(e).__name__}: {e}")
             continue
         for row in rows:
             if "error" in row:  # one variant the peer could not run
-                errors[f"{engine}: {row['method']}"] = row["error"]
+                errors[f"{engine}: {row['method']}"] = portable(row["error"])
                 continue
             tps = row["tokens"] / row["wall_seconds"]
             records.append({"method": row["method"], "engine": engine, "config": None,
