@@ -15,28 +15,27 @@ from pathlib import Path
 import torch
 
 
-def cpu_fingerprint() -> str:
-    """Part of a build's name: a kernel compiled with -march=native must not load on another CPU."""
-    flags = ""
+@functools.cache
+def _cpuinfo_flags_line() -> str:
+    """The feature-flags line of /proc/cpuinfo ("flags" on x86, "Features" on ARM; "" where unreadable)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                flags = line
-                break
+                return line
     except OSError:
         pass
-    return hashlib.sha256(f"{platform.machine()} {flags} {torch.__version__}".encode()).hexdigest()[:10]
+    return ""
+
+
+def cpu_fingerprint() -> str:
+    """Part of a build's name: a kernel compiled with -march=native must not load on another CPU."""
+    return hashlib.sha256(f"{platform.machine()} {_cpuinfo_flags_line()} {torch.__version__}".encode()).hexdigest()[:10]
 
 
 def cpu_flags() -> set[str]:
-    """The CPU's feature flags (/proc/cpuinfo; empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU's feature flags (empty where /proc/cpuinfo cannot be read)."""
+    line = _cpuinfo_flags_line()
+    return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
 @functools.cache

@@ -2,7 +2,7 @@
 // 1-2 rows of a decode or drafting step.
 //
 // One row multiplies every weight once, so the cost is reading the weights: oneDNN's packed bf16
-// matmul reads them at about 28 GB/s at one row here (2 threads, the default model's 25 layers
+// matmul reads them at 25-29 GB/s at one row here (2 threads, the default model's 25 layers
 // in turn), where the caches give 50. This kernel streams them from a layout made at load time,
 //   blocked [N / 16, K / 32, 16, 32]: 16 output channels' next 32 inputs are one contiguous 1 KB,
 // so the matrix is read front to back in one stream, split over threads by blocks of outputs.

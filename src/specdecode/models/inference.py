@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdecode.kernels import gemv_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
 
 log = logging.getLogger(__name__)
@@ -65,15 +66,13 @@ class PackedLinear(nn.Module):
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # Compiled forwards keep oneDNN: with the few-row kernel in their 1-token graph, compiled
-            # n-gram speculation in `specdecode bench` ran 1.02x plain instead of 1.7-1.8x (plain
-            # itself 1.17x faster); not understood yet, so the kernel serves eager forwards only.
+            # plain decoding ran faster but n-gram speculation in `specdecode bench` ran 1.02x plain
+            # instead of 1.7-1.8x; not understood yet, so the kernel serves eager forwards only.
             return packed_linear(x, self.packed, self.bias, self.out_features)  # eager skips the op's dispatch (+50 us)
         if self.few_rows is not None and x.numel() <= self.few_rows[1] * self.in_features:
-            from specdecode.kernels.gemv_cpu import few_rows_linear
-
             rows = x.reshape(-1, self.in_features)  # the kernel takes 2-D rows
-            return few_rows_linear(rows, self.few_rows[0], self.bias, self.out_features).view(*x.shape[:-1],
-                                                                                              self.out_features)
+            out = gemv_cpu.few_rows_linear(rows, self.few_rows[0], self.bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def forward(self, x: torch.Tensor):
@@ -121,8 +120,8 @@ def pack_linears(module: nn.Module) -> nn.Module:
 
 
 # Widths the few-row kernel is probed at. Probed alone, small layers (512 -> 512, 512 -> 1024) measured
-# it faster up to 8 rows, but whole forwards of 3-8 tokens measured 0.1-0.2 ms slower with it than
-# with oneDNN (EAGLE-3 / MTP k=4 verification 4-6% slower end to end), and 1-2 rows 0.4-1.0 ms faster.
+# it faster up to 8 rows, but with that choice whole forwards of 3-8 tokens measured up to 0.2 ms
+# slower than with oneDNN, and of 1 token 1.0 ms faster (`specdecode profile`, eager, one run each).
 FEW_ROWS_PROBE = (1, 2)
 
 
@@ -130,7 +129,6 @@ def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, i
     """Give every packed bf16 layer under `module` whose shape measures faster under the few-row
     kernel its blocked weight and the most rows it serves (`PackedLinear.few_rows`). Returns
     {"KxN": few_rows} for the shapes that got one."""
-    from specdecode.kernels import gemv_cpu
     from specdecode.models.kernel_probe import faster_by_width, load_choices, save_choices
 
     layers = [m for m in module.modules() if isinstance(m, PackedLinear) and m.few_rows is None]
@@ -170,9 +168,7 @@ def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, i
 
 
 def _few_rows_call(x: torch.Tensor, w: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
-    from specdecode.kernels.gemv_cpu import few_rows_linear
-
-    return few_rows_linear(x, w, layer.bias, layer.out_features)
+    return gemv_cpu.few_rows_linear(x, w, layer.bias, layer.out_features)
 
 
 def detach_few_row_kernels(module: nn.Module) -> None:
