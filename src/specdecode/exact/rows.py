@@ -114,6 +114,7 @@ class RowTiled(nn.Module):
         self.weight, self.bias = layer.weight, layer.bias  # the layer's own tensors (same state_dict names)
         self.sizes = getattr(layer, "sizes", None)  # FusedLinear: one output view per member
         self.tiling = tiling
+        self.out_features, self.in_features = layer.weight.shape
 
     def forward(self, x: torch.Tensor):
         def matmul(rows: torch.Tensor) -> torch.Tensor:

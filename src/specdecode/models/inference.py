@@ -43,8 +43,22 @@ def _packed_linear_shape(x, packed, bias, out_features):
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    """Whether oneDNN can pack (and run) a dense layer of this dtype here. Its bf16/fp16 paths need
+    AVX-512 (or AVX-NE-CONVERT): on an AVX2-only CPU such as AMD EPYC Zen 3, packing a bf16 weight
+    raises, so those layers stay plain `nn.Linear`s."""
+    if not (torch.device(device).type == "cpu" and dtype in (torch.bfloat16, torch.float16)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    return _mkldnn_supports(dtype)
+
+
+@functools.cache
+def _mkldnn_supports(dtype: torch.dtype) -> bool:
+    probe = {torch.bfloat16: "_is_mkldnn_bf16_supported", torch.float16: "_is_mkldnn_fp16_supported"}[dtype]
+    try:
+        return bool(getattr(torch.ops.mkldnn, probe)())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 class PackedLinear(nn.Module):
