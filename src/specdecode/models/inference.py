@@ -15,14 +15,16 @@ one row, 4.0 against 2.8 ms at eight rows; the results are bit-identical (same o
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import nn
 
-from specdecode.kernels import gemv_cpu
+from specdecode.kernels import gemv_cpu, gemv_int8_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
 
 log = logging.getLogger(__name__)
@@ -73,7 +75,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         self.split_sizes = split_sizes
         self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
-        # Decode widths (models/wide_kernels.py attach_few_row_kernels): (the weight in the few-row
+        # Decode widths (attach_few_row_kernels below): (the weight in the few-row
         # kernel's blocked layout, the most rows it serves); eager forwards that narrow take it.
         self.few_rows: tuple[torch.Tensor, int] | None = None
 
@@ -83,7 +85,7 @@ class PackedLinear(nn.Module):
             # plain decoding ran faster but n-gram speculation in `specdecode bench` ran 1.02x plain
             # instead of 1.7-1.8x; not understood yet, so the kernel serves eager forwards only.
             return packed_linear(x, self.packed, self.bias, self.out_features)  # eager skips the op's dispatch (+50 us)
-        if self.few_rows is not None and x.numel() <= self.few_rows[1] * self.in_features:
+        if self.few_rows is not None and x.numel() <= self.few_rows[-1] * self.in_features:
             rows = x.reshape(-1, self.in_features)  # the kernel takes 2-D rows
             out = gemv_cpu.few_rows_linear(rows, self.few_rows[0], self.bias, self.out_features)
             return out.view(*x.shape[:-1], self.out_features)
@@ -133,62 +135,91 @@ def pack_linears(module: nn.Module) -> nn.Module:
     return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias))
 
 
-# Widths the few-row kernel is probed at. Probed alone, small layers (512 -> 512, 512 -> 1024) measured
-# it faster up to 8 rows, but with that choice whole forwards of 3-8 tokens measured up to 0.2 ms
-# slower than with oneDNN, and of 1 token 1.0 ms faster (`specdecode profile`, eager, one run each).
-FEW_ROWS_PROBE = (1, 2)
+# Widths the few-row kernels are probed at. Probed alone, small bf16 layers (512 -> 512, 512 -> 1024)
+# measured the bf16 kernel faster up to 8 rows, but with that choice whole forwards of 3-8 tokens
+# measured up to 0.2 ms slower than with oneDNN, and of 1 token 1.0 ms faster (`specdecode profile`,
+# eager, one run each). The int8 kernel beat `_weight_int8pack_mm` at 1-8 rows over the default
+# model's 25 layers in turn on an AVX2 CPU (1.84 / 2.86 / 3.51 ms at 1 / 2 / 4 rows against
+# 3.13 / 4.00 / 5.07), so it is probed up to 4.
+FEW_ROWS_PROBE = {"bf16": (1, 2), "int8": (1, 2, 4)}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _FewRowKind:
+    """How one few-row kernel serves one kind of layer (`layer.few_rows` holds what it needs)."""
+
+    name: str
+    serves: Callable[[nn.Module, torch.dtype], bool]  # layers of this kind it can serve at dtype
+    prepare: Callable[[nn.Module], tuple]  # layer -> its kernel tensors (everything but the width)
+    call: Callable[[torch.Tensor, tuple, nn.Module], torch.Tensor]  # x [M, K] rows, those tensors, layer -> y
+
+
+def _bf16_few_rows(x: torch.Tensor, tensors: tuple, layer: "PackedLinear") -> torch.Tensor:
+    return gemv_cpu.few_rows_linear(x, tensors[0], layer.bias, layer.out_features)
+
+
+def _int8_few_rows(x: torch.Tensor, tensors: tuple, layer: QuantizedLinear) -> torch.Tensor:
+    return gemv_int8_cpu.few_rows_linear(x, *tensors, layer.out_features)
+
+
+FEW_ROW_KINDS = (
+    _FewRowKind("bf16", lambda m, dtype: (isinstance(m, PackedLinear) and m.dtype == dtype
+                                          and gemv_cpu.fits(m.in_features, dtype, m.packed.device)),
+                lambda m: (gemv_cpu.block_weight(m.dense_weight()),), _bf16_few_rows),
+    # Only served dtypes with PyTorch's int kernel (bf16/fp16): float32 layers keep one dense path.
+    _FewRowKind("int8", lambda m, dtype: (isinstance(m, QuantizedLinear) and m.scheme.bits == 8 and not m.is_view
+                                          and m._uses_kernel(dtype, m.qweight.device)
+                                          and gemv_int8_cpu.fits(m.in_features, m.qweight.device)),
+                lambda m: (gemv_int8_cpu.block_weight(m.qweight), m.scales.float().contiguous(),
+                           None if m.bias is None else m.bias.float().contiguous()), _int8_few_rows),
+)
 
 
 def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, int]:
-    """Give every packed bf16 layer under `module` whose shape measures faster under the few-row
-    kernel its blocked weight and the most rows it serves (`PackedLinear.few_rows`). Returns
+    """Give every packed bf16 layer and int8 layer under `module` whose shape measures faster under
+    its few-row kernel that kernel's tensors and the most rows it serves (`layer.few_rows`). Returns
     {"KxN": few_rows} for the shapes that got one."""
     from specdecode.models.kernel_probe import faster_by_width, load_choices, save_choices
 
-    layers = [m for m in module.modules() if isinstance(m, PackedLinear) and m.few_rows is None]
-    layers = [m for m in layers if gemv_cpu.fits(m.in_features, dtype, m.packed.device) and m.dtype == dtype]
-    if not layers:
-        return {}
-    by_shape: dict[str, list[PackedLinear]] = {}
-    for layer in layers:
-        # The probed widths are part of the key: a choice made over other widths is not this one.
-        by_shape.setdefault(f"{layer.in_features}x{layer.out_features}-few-rows{max(FEW_ROWS_PROBE)}-{dtype}",
-                            []).append(layer)
     cached, measured, chosen = load_choices(), False, {}
-    for key, group in by_shape.items():
-        if key in cached and cached[key] is None:
-            continue
-        blocked = [gemv_cpu.block_weight(layer.dense_weight()) for layer in group]
-        if key not in cached:
-            kernel = [functools.partial(_few_rows_call, w=w, layer=layer) for w, layer in zip(blocked, group)]
-            faster = faster_by_width(kernel, [layer._matmul for layer in group], group[0].in_features, dtype,
-                                      FEW_ROWS_PROBE)
-            few = 0
-            for rows, wins in zip(FEW_ROWS_PROBE, faster):
-                if not wins:
-                    break
-                few = rows
-            cached[key], measured = few or None, True
-        if cached[key] is None:
-            continue
-        for layer, w in zip(group, blocked):
-            layer.few_rows = (w, cached[key])
-        chosen[key.split("-")[0]] = cached[key]
+    for kind in FEW_ROW_KINDS:
+        widths = FEW_ROWS_PROBE[kind.name]
+        by_shape: dict[str, list[nn.Module]] = {}
+        for layer in module.modules():
+            if getattr(layer, "few_rows", 0) is None and kind.serves(layer, dtype):
+                # The probed widths are part of the key: a choice made over other widths is not this one.
+                key = f"{layer.in_features}x{layer.out_features}-{kind.name}-few-rows{max(widths)}-{dtype}"
+                by_shape.setdefault(key, []).append(layer)
+        for key, group in by_shape.items():
+            if key in cached and cached[key] is None:
+                continue
+            tensors = [kind.prepare(layer) for layer in group]
+            if key not in cached:
+                candidate = [functools.partial(kind.call, tensors=t, layer=layer) for t, layer in zip(tensors, group)]
+                faster = faster_by_width(candidate, [layer._matmul for layer in group], group[0].in_features, dtype,
+                                          widths)
+                few = 0
+                for rows, wins in zip(widths, faster):
+                    if not wins:
+                        break
+                    few = rows
+                cached[key], measured = few or None, True
+            if cached[key] is None:
+                continue
+            for layer, t in zip(group, tensors):
+                layer.few_rows = (*t, cached[key])
+            chosen[key.split("-")[0]] = cached[key]
     if measured:
         save_choices(cached)
         if chosen:
-            log.info("bf16 layers take the few-row kernel up to these widths (rows): %s", chosen)
+            log.info("layers take a few-row kernel up to these widths (rows): %s", chosen)
     return chosen
 
 
-def _few_rows_call(x: torch.Tensor, w: torch.Tensor, layer: PackedLinear) -> torch.Tensor:
-    return gemv_cpu.few_rows_linear(x, w, layer.bias, layer.out_features)
-
-
 def detach_few_row_kernels(module: nn.Module) -> None:
-    """Back to oneDNN at every width (exact mode: its row tilings are probed on oneDNN's kernel)."""
+    """Back to one kernel at every width (exact mode: its row tilings are probed on that kernel)."""
     for layer in module.modules():
-        if isinstance(layer, PackedLinear):
+        if isinstance(layer, (PackedLinear, QuantizedLinear)):
             layer.few_rows = None
 
 
@@ -202,6 +233,7 @@ def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype
                   for name in ("qweight", "scales", "zeros") if hasattr(layer, name)}
         rows = QuantizedLinear(stored, layer.in_features, len(index), layer.scheme, bias)
         rows.prepare(dtype)
+        attach_few_row_kernels(rows, dtype)
         return rows
     if isinstance(layer, PackedLinear):
         rows = PackedLinear(layer.dense_weight()[index], bias)
@@ -227,6 +259,7 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
         for layer in module.modules():
             if isinstance(layer, QuantizedLinear) and not layer.is_view:
                 layer.prepare(dtype)
+        attach_few_row_kernels(module, dtype)
         return module
     if can_pack(dtype, device):
         module = pack_linears(module)

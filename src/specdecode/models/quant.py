@@ -14,7 +14,9 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
   about n times the one-row matmul; from a measured width on, a dense copy takes over
   (`models/wide_kernels.py`). Inductor's dequantise-GEMM measured 2.8-6x slower than
   `_weight_int8pack_mm` here, torchao 0.18's int8 weight-only layer 3.7x slower at one row and
-  its CPU int4 1.4x slower (`benchmarks/torchao_kernels.py`).
+  its CPU int4 1.4x slower (`benchmarks/torchao_kernels.py`). On an AVX2-only CPU (AMD EPYC
+  Zen 3) `_weight_int8pack_mm` is compute-bound at decode widths, so int8 layers take
+  specdecode's own few-row kernel there (kernels/gemv_int8_cpu.cpp) up to a measured width.
 - float32 (the tests' precision), and devices without those kernels (CUDA is not wired yet):
   a dense matmul with the dequantised weight, built once on first use (so it holds a dense
   copy too). Correct everywhere; fast only where dense is.
@@ -32,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from specdecode.kernels import gemv_int8_cpu
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +123,9 @@ class QuantizedLinear(nn.Module):
         # Verification widths (models/wide_kernels.py): (the dequantised weight packed densely, the
         # rows from which it runs instead of the int kernel); a tuple, so it is not a submodule.
         self.wide: tuple[nn.Module, int] | None = None
+        # Decode widths of int8 layers (models/inference.py attach_few_row_kernels): (the weight in the
+        # few-row kernel's blocked layout, fp32 scales [N], fp32 bias [N] | None, the most rows it serves).
+        self.few_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, scheme: QuantScheme,
@@ -185,6 +192,12 @@ class QuantizedLinear(nn.Module):
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.few_rows is not None and x.numel() <= self.few_rows[-1] * self.in_features
+                and not torch.compiler.is_compiling()):  # eager decode widths (compiled graphs keep one op)
+            blocked, scales, bias, _ = self.few_rows
+            out = gemv_int8_cpu.few_rows_linear(x.reshape(-1, self.in_features), blocked, scales, bias,
+                                                self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
         if self._uses_kernel(x.dtype, x.device):
             qweight, scales = self._kernel_tensors(x.dtype)
             group = 0 if self.scheme.bits == 8 else self.scheme.group_size

@@ -1,0 +1,148 @@
+"""The few-row int8 kernel (kernels/gemv_int8_cpu.cpp) and the int8 layers that take it at decode widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.kernels import gemv_int8_cpu
+from specdecode.models import kernel_probe
+from specdecode.models.inference import attach_few_row_kernels, detach_few_row_kernels
+from specdecode.models.quant import QuantizedLinear, QuantScheme
+
+pytestmark = pytest.mark.skipif(not gemv_int8_cpu.fits(8, "cpu"),
+                                reason="the few-row int8 kernel needs AVX2, FMA and a C++ compiler")
+
+INT8 = QuantScheme.parse("int8")
+
+
+def _layer(n: int, k: int, seed: int = 0, bias: bool = False, split_sizes=None) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(n, generator=g) * 0.1 if bias else None
+    return QuantizedLinear.from_weight(torch.randn(n, k, generator=g) * 0.05, b, INT8, split_sizes)
+
+
+def _kernel_tensors(layer: QuantizedLinear) -> tuple:
+    return (gemv_int8_cpu.block_weight(layer.qweight), layer.scales.float().contiguous(),
+            None if layer.bias is None else layer.bias.float().contiguous())
+
+
+@pytest.mark.parametrize("n,k", [(8, 8), (37, 64), (1024, 512), (13, 1408)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_computes_the_int8_matmul(n, k, bias, dtype):
+    layer = _layer(n, k, bias=bias)
+    tensors = _kernel_tensors(layer)
+    w = layer.dequantize()  # [n, k] float32: q * scale
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        ref = x.float() @ w.T + (layer.bias if bias else 0)  # [m, n] float32
+        out = gemv_int8_cpu.few_rows_linear(x, *tensors, n)
+        assert out.shape == (m, n) and out.dtype == dtype
+        rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
+        torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=1e-4 * k ** 0.5)
+    other = _kernel_tensors(_layer(n, k, seed=1, bias=bias))
+    wrong = gemv_int8_cpu.few_rows_linear(x, *other, n)
+    assert not torch.allclose(wrong.float(), ref, rtol=2 ** -7, atol=1e-3)  # the check can fail
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    layer = _layer(300, 512, bias=True)
+    tensors = _kernel_tensors(layer)
+    x = torch.randn(16, 512).bfloat16()
+    alone = torch.cat([gemv_int8_cpu.few_rows_linear(x[i:i + 1], *tensors, 300) for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(gemv_int8_cpu.few_rows_linear(x[:m], *tensors, 300), alone[:m]), m
+
+
+def test_bad_inputs_are_refused():
+    layer = _layer(16, 64)
+    blocked, scales, _ = _kernel_tensors(layer)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="blocked layout"):
+        gemv_int8_cpu.few_rows_linear(x, layer.qweight, scales, None, 16)  # not blocked
+    with pytest.raises(RuntimeError, match="scales"):
+        gemv_int8_cpu.few_rows_linear(x, blocked, scales.bfloat16(), None, 16)
+    with pytest.raises(RuntimeError, match="bias"):
+        gemv_int8_cpu.few_rows_linear(x, blocked, scales, torch.zeros(16).bfloat16(), 16)
+
+
+def test_an_int8_layer_takes_the_kernel_up_to_its_width_and_pytorchs_past_it():
+    layer = _layer(96, 64, bias=True, split_sizes=[64, 32])
+    layer.prepare(torch.bfloat16)
+    x = torch.randn(2, 3, 64).bfloat16()
+    pytorch = [t.clone() for t in layer(x)]
+    layer.few_rows = (*_kernel_tensors(layer), 2)
+    narrow = layer(x[:1, :2])  # 2 rows: the kernel
+    kernel = gemv_int8_cpu.few_rows_linear(x[0, :2], *layer.few_rows[:3], 96)
+    assert torch.equal(torch.cat(narrow, dim=-1)[0], kernel)
+    assert [t.shape for t in narrow] == [(1, 2, 64), (1, 2, 32)]
+    assert all(torch.equal(a, c) for a, c in zip(layer(x), pytorch))  # 6 rows: PyTorch's kernel, as before
+
+
+def test_a_compiled_forward_keeps_pytorchs_kernel():
+    layer = _layer(64, 32)
+    layer.prepare(torch.bfloat16)
+    inputs = [torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows)).bfloat16() for rows in (1, 3)]
+    expected = [layer(x) for x in inputs]
+    # Another layer's weights in the kernel's slot: whichever forward takes the kernel shows it.
+    layer.few_rows = (*_kernel_tensors(_layer(64, 32, seed=1)), 4)
+    assert not torch.allclose(layer(inputs[0]), expected[0], atol=1e-2)  # eager: the kernel
+    compiled = torch.compile(layer, fullgraph=True)
+    for x, e in zip(inputs, expected):
+        assert torch.equal(compiled(x), e)
+
+
+def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    probes = []
+
+    def faster(candidate, baseline, in_features, dtype, widths):
+        probes.append((in_features, tuple(widths)))
+        return [True, True, False][:len(widths)]  # wins at 1 and 2 rows, loses at 4
+
+    monkeypatch.setattr(kernel_probe, "faster_by_width", faster)
+    model = torch.nn.Sequential(_layer(64, 32), _layer(64, 32, 1), _layer(32, 64), _layer(8, 36),
+                                _layer(64, 32).rows(0, 16))
+    for m in model:
+        m.prepare(torch.bfloat16)
+    assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2}
+    assert probes == [(32, (1, 2, 4)), (64, (1, 2, 4))]  # one probe per shape; 36 inputs: no multiple of 8
+    assert [m.few_rows and m.few_rows[-1] for m in model] == [2, 2, 2, None, None]  # views keep the fused layer's
+    x = torch.randn(1, 32).bfloat16()
+    assert torch.equal(model[1](x), gemv_int8_cpu.few_rows_linear(x, *model[1].few_rows[:3], 64))
+    assert attach_few_row_kernels(model, torch.float32) == {}  # float32 activations: the dense path, no kernel
+    detach_few_row_kernels(model)
+    assert all(m.few_rows is None for m in model)
+    assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2} and len(probes) == 2  # cached
+
+    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda *a: [False] * 3)
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "other"))
+    fresh = torch.nn.Sequential(_layer(64, 32))
+    assert attach_few_row_kernels(fresh, torch.bfloat16) == {} and fresh[0].few_rows is None  # never faster
+
+
+def test_the_kernels_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECDECODE_FEW_ROW_KERNELS", "0")
+    gemv_int8_cpu._extension.cache_clear()
+    try:
+        assert not gemv_int8_cpu.fits(64, "cpu")
+        model = torch.nn.Sequential(_layer(64, 32))
+        model[0].prepare(torch.bfloat16)
+        assert attach_few_row_kernels(model, torch.bfloat16) == {} and model[0].few_rows is None
+    finally:
+        gemv_int8_cpu._extension.cache_clear()
+
+
+def test_a_quantised_model_gets_the_kernel_and_exact_mode_takes_it_away(tmp_path, monkeypatch):
+    from specdecode.defaults import default_model_dir
+    from specdecode.exact.rows import make_rows_invariant
+    from specdecode.models.loader import load_model
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
+    model = load_model(default_model_dir(), torch.bfloat16, quantization=QuantScheme.parse("int8"))
+    served = [m for m in model.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
+    assert served and all(m.few_rows is not None and m.few_rows[-1] == 4 for m in served)
+    make_rows_invariant(model, torch.bfloat16, "cpu")
+    assert all(m.few_rows is None for m in model.modules() if isinstance(m, QuantizedLinear))
