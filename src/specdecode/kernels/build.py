@@ -57,3 +57,20 @@ def load_extension(name: str, source: Path):
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(name=f"specdecode_{name}_{source_hash}", sources=[str(source)], extra_cflags=flags,
                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=os.environ.get("SPECDECODE_VERBOSE_BUILD") == "1")
+
+
+def optional_extension(name: str, source: Path, switch: str, required_flags: set[str] = frozenset(),
+                       fallback: str = "PyTorch's ops serve instead"):
+    """An optional speed-up kernel: the built module, or None where the environment variable
+    `switch` is "0", the CPU lacks `required_flags` or the build failed (logged, then PyTorch's
+    path serves). Callers cache the answer (functools.cache), so it is decided once per process."""
+    if os.environ.get(switch, "1") == "0" or not set(required_flags) <= cpu_flags():
+        return None
+    try:
+        return load_extension(name, source)
+    except Exception as error:
+        import logging
+
+        logging.getLogger(__name__).warning("the %s kernel failed to build (%s: %s); %s", name,
+                                            type(error).__name__, error, fallback)
+        return None

@@ -9,15 +9,11 @@ succeeds; anything else keeps oneDNN. SPECDECODE_FEW_ROW_KERNELS=0 turns them of
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
 
-from specdecode.kernels.build import cpu_flags, load_extension
-
-log = logging.getLogger(__name__)
+from specdecode.kernels.build import optional_extension
 
 SOURCE = Path(__file__).with_name("gemv_cpu.cpp")
 BLOCK_K = 32  # the input size must be a multiple of this
@@ -28,14 +24,8 @@ REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 def _extension():
     """The built module, or None where the CPU lacks AVX-512 BF16, the kernels are turned off or
     the build failed (logged once)."""
-    if os.environ.get("SPECDECODE_FEW_ROW_KERNELS", "1") == "0" or not REQUIRED_FLAGS <= cpu_flags():
-        return None
-    try:
-        return load_extension("gemv_kernels", SOURCE)
-    except Exception as error:
-        log.warning("the few-row matmul kernel failed to build (%s: %s); oneDNN serves instead",
-                    type(error).__name__, error)
-        return None
+    return optional_extension("gemv_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
+                              "oneDNN serves instead")
 
 
 def fits(in_features: int, dtype: torch.dtype, device) -> bool:

@@ -11,15 +11,11 @@ them off (with the bf16 ones).
 from __future__ import annotations
 
 import functools
-import logging
-import os
 from pathlib import Path
 
 import torch
 
-from specdecode.kernels.build import cpu_flags, load_extension
-
-log = logging.getLogger(__name__)
+from specdecode.kernels.build import optional_extension
 
 SOURCE = Path(__file__).with_name("gemv_int8_cpu.cpp")
 BLOCK_K = 8  # the input size must be a multiple of this
@@ -30,14 +26,8 @@ REQUIRED_FLAGS = {"avx2", "fma"}
 def _extension():
     """The built module, or None where the CPU lacks AVX2/FMA, the kernels are turned off or the
     build failed (logged once)."""
-    if os.environ.get("SPECDECODE_FEW_ROW_KERNELS", "1") == "0" or not REQUIRED_FLAGS <= cpu_flags():
-        return None
-    try:
-        return load_extension("gemv_int8_kernels", SOURCE)
-    except Exception as error:
-        log.warning("the few-row int8 kernel failed to build (%s: %s); PyTorch's serves instead",
-                    type(error).__name__, error)
-        return None
+    return optional_extension("gemv_int8_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
+                              "PyTorch's int8 kernel serves instead")
 
 
 def fits(in_features: int, device) -> bool:

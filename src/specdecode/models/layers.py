@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdecode.kernels import rms_norm_cpu
 from specdecode.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -25,6 +26,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if rms_norm_cpu.serves(x, self.weight):  # eager CPU inference: the same steps in one call
+            return rms_norm_cpu.rms_norm(x, self.weight, self.eps)
         # Normalise in float32 like HF (bf16 variance is too coarse), cast back, then scale.
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
