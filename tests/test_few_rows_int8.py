@@ -7,7 +7,7 @@ import torch
 
 from specdecode.kernels import gemv_int8_cpu
 from specdecode.models import kernel_probe
-from specdecode.models.inference import attach_few_row_kernels, detach_few_row_kernels
+from specdecode.models.inference import FEW_ROWS_PROBE, attach_few_row_kernels, detach_few_row_kernels
 from specdecode.models.quant import QuantizedLinear, QuantScheme
 
 pytestmark = pytest.mark.skipif(not gemv_int8_cpu.fits(8, "cpu"),
@@ -99,7 +99,7 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
 
     def faster(candidate, baseline, in_features, dtype, widths):
         probes.append((in_features, tuple(widths)))
-        return [True, True, False][:len(widths)]  # wins at 1 and 2 rows, loses at 4
+        return [True, True] + [False] * (len(widths) - 2)  # wins at 1 and 2 rows, loses wider
 
     monkeypatch.setattr(kernel_probe, "faster_by_width", faster)
     model = torch.nn.Sequential(_layer(64, 32), _layer(64, 32, 1), _layer(32, 64), _layer(8, 36),
@@ -107,7 +107,8 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     for m in model:
         m.prepare(torch.bfloat16)
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2}
-    assert probes == [(32, (1, 2, 4)), (64, (1, 2, 4))]  # one probe per shape; 36 inputs: no multiple of 8
+    widths = FEW_ROWS_PROBE["int8"]
+    assert probes == [(32, widths), (64, widths)]  # one probe per shape; 36 inputs: no multiple of 8
     assert [m.few_rows and m.few_rows[-1] for m in model] == [2, 2, 2, None, None]  # views keep the fused layer's
     x = torch.randn(1, 32).bfloat16()
     assert torch.equal(model[1](x), gemv_int8_cpu.few_rows_linear(x, *model[1].few_rows[:3], 64))
@@ -116,7 +117,7 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert all(m.few_rows is None for m in model)
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2} and len(probes) == 2  # cached
 
-    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda *a: [False] * 3)
+    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda *a: [False] * len(widths))
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "other"))
     fresh = torch.nn.Sequential(_layer(64, 32))
     assert attach_few_row_kernels(fresh, torch.bfloat16) == {} and fresh[0].few_rows is None  # never faster
@@ -143,6 +144,6 @@ def test_a_quantised_model_gets_the_kernel_and_exact_mode_takes_it_away(tmp_path
     monkeypatch.setattr(kernel_probe, "faster_by_width", lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
     model = load_model(default_model_dir(), torch.bfloat16, quantization=QuantScheme.parse("int8"))
     served = [m for m in model.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
-    assert served and all(m.few_rows is not None and m.few_rows[-1] == 4 for m in served)
+    assert served and all(m.few_rows is not None and m.few_rows[-1] == max(FEW_ROWS_PROBE["int8"]) for m in served)
     make_rows_invariant(model, torch.bfloat16, "cpu")
     assert all(m.few_rows is None for m in model.modules() if isinstance(m, QuantizedLinear))

@@ -69,6 +69,7 @@ def build_attention(entries: list[ForwardEntry], scratch: int, sliding_window: i
         num_keys=S,
         slot_range=(slots[0], slots[0] + B) if contiguous else None,
         write_start=entries[0].start if contiguous and same_columns else None,
+        sees_all=bool(mask.all()),
     )
     return input_ids.to(device), positions.to(device), batch
 

