@@ -1,9 +1,11 @@
-"""The few-row bf16 kernel (kernels/gemv_cpu.cpp) against oneDNN's packed matmul, by rows.
+"""The few-row kernels against PyTorch's, by rows: bf16 (kernels/gemv_cpu.cpp) against oneDNN's
+packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_mm`.
 
     python benchmarks/few_row_kernel.py --out benchmarks/results/engine/few_row_kernel.json
+    python benchmarks/few_row_kernel.py --kind int8 --out benchmarks/results/engine/few_row_kernel_int8.json
 
 Every linear layer of the default model in turn (25 matmuls, as in one forward, so each comes
-after the others' weights), random bf16 weights of those shapes, 1-16 rows, 2 threads; the
+after the others' weights), random weights of those shapes, 1-16 rows, 2 threads; the
 fastest of `--repeats` passes per kernel and width, the kernels interleaved pass by pass.
 """
 
@@ -16,29 +18,48 @@ from pathlib import Path
 
 import torch
 
-from specdecode.kernels import gemv_cpu
+from specdecode.kernels import gemv_cpu, gemv_int8_cpu
+from specdecode.models.quant import QuantScheme, quantize_weight
 
 # The default model: per layer qkv 512 -> 1024, o 512 -> 512, gate/up 512 -> 2816, down 1408 -> 512; 6 layers; LM head 512 -> 8192.
 LAYERS = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 6 + [(8192, 512)]
 ROWS = [1, 2, 3, 4, 8, 16]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
+def bf16_kernels(weights: list[torch.Tensor]) -> dict:
     if not gemv_cpu.fits(512, torch.bfloat16, "cpu"):
-        raise SystemExit("the few-row kernel does not run here (it needs AVX-512 BF16 and a C++ compiler)")
-    gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in LAYERS]
+        raise SystemExit("the few-row bf16 kernel does not run here (it needs AVX-512 BF16 and a C++ compiler)")
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     blocked = [gemv_cpu.block_weight(w) for w in weights]
-    kernels = {
+    return {
         "onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed)],
         "few_rows": lambda xs: [gemv_cpu.few_rows_linear(x, b, None, w.shape[0]) for x, b, w in zip(xs, blocked, weights)],
     }
-    result = {"threads": torch.get_num_threads(), "torch": torch.__version__, "ms_per_forward": {}}
+
+
+def int8_kernels(weights: list[torch.Tensor]) -> dict:
+    if not gemv_int8_cpu.fits(512, "cpu"):
+        raise SystemExit("the few-row int8 kernel does not run here (it needs AVX2, FMA and a C++ compiler)")
+    stored = [quantize_weight(w, QuantScheme.parse("int8")) for w in weights]
+    scales = [q["scales"].bfloat16() for q in stored]
+    blocked = [gemv_int8_cpu.block_weight(q["qweight"]) for q in stored]
+    return {
+        "int8pack": lambda xs: [torch._weight_int8pack_mm(x, q["qweight"], s) for x, q, s in zip(xs, stored, scales)],
+        "few_rows": lambda xs: [gemv_int8_cpu.few_rows_linear(x, b, q["scales"], None, w.shape[0])
+                                for x, b, q, w in zip(xs, blocked, stored, weights)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kind", choices=("bf16", "int8"), default="bf16")
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in LAYERS]
+    kernels = bf16_kernels(weights) if args.kind == "bf16" else int8_kernels(weights)
+    result = {"kind": args.kind, "threads": torch.get_num_threads(), "torch": torch.__version__, "ms_per_forward": {}}
     with torch.inference_mode():
         for rows in ROWS:
             xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in LAYERS]
@@ -51,7 +72,7 @@ def main() -> None:
                     fn(xs)
                     best[name] = min(best[name], time.perf_counter() - start)
             result["ms_per_forward"][rows] = {name: round(s * 1e3, 3) for name, s in best.items()}
-            print(f"{rows:2d} rows: oneDNN {best['onednn'] * 1e3:.3f} ms, few-row kernel {best['few_rows'] * 1e3:.3f} ms")
+            print(f"{rows:2d} rows: " + ", ".join(f"{name} {s * 1e3:.3f} ms" for name, s in best.items()))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

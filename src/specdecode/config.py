@@ -255,7 +255,10 @@ def _cpu_auto_dtype() -> torch.dtype:
     """bfloat16 on CPUs with native bf16 matrix units (AMX / AVX512-BF16), else float32.
 
     Measured (BENCHMARKS.md, engine table): on an AMX CPU bf16 decodes faster at every batch
-    size and a verify of 8 tokens costs ~1.1x one token, against ~1.8x in float32."""
+    size and a verify of 8 tokens costs ~1.1x one token, against ~1.8x in float32. On an
+    AVX2-only AMD EPYC bf16 decoded one stream 1.9x faster but batch 8 at 0.64x and n-gram
+    verification at batch 8 at 0.33x of float32 (BENCHMARKS.md, fourth pass): not faster
+    everywhere, so float32 stays the choice there."""
     cpu = getattr(torch, "cpu", None)
     for probe in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
         try:

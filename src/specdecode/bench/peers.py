@@ -195,7 +195,8 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
     for label, extra in variants:
         tokens = seconds = drafted = accepted = 0
         for prompt in prompts:
-            for attempt in range(2):  # it once exited without its timing lines (Q8_0, one prompt): retried
+            # It has exited without its timing or its draft counts (Q8_0 and F16, one prompt): retried.
+            for attempt in range(2):
                 with tempfile.NamedTemporaryFile("w", suffix=".txt") as f:
                     f.write(prompt)
                     f.flush()
@@ -204,11 +205,11 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
                                           "--spec-draft-n-max", str(k), *extra],
                                          check=True, capture_output=True, text=True, errors="replace")
                 log = out.stdout + out.stderr  # generated text need not be valid UTF-8 (random-weight models)
-                if decoded.search(log) is not None:
+                if all(pattern.search(log) is not None for pattern in (decoded, *counts.values())):
                     break
             else:
-                raise RuntimeError(f"{label}: llama-speculative-simple printed no decode timing for a prompt, twice; "
-                                   f"its output ends: {log[-300:]!r}")
+                raise RuntimeError(f"{label}: llama-speculative-simple printed no decode timing or draft counts for a "
+                                   f"prompt, twice; its output ends: {log[-300:]!r}")
             n, s = decoded.search(log).groups()
             tokens, seconds = tokens + int(n), seconds + float(s)
             drafted += int(counts["n_drafted"].search(log).group(1))

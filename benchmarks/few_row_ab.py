@@ -1,0 +1,62 @@
+"""Two engines in one process, one with its few-row kernels detached, timed in alternate rounds:
+the kernels' end-to-end effect on decoding as a paired ratio (the machine's drift hits both alike).
+
+    python benchmarks/few_row_ab.py --quantization int8 [--method ngram] [--compile]
+
+Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored);
+prints each round's tok/s and the median of the per-round ratios kernel / PyTorch's kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+from specdecode import LLM, SamplingParams
+from specdecode.bench.prompts import load_prompts
+from specdecode.models.inference import detach_few_row_kernels
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--quantization", default=None)
+    parser.add_argument("--method", default="none", help="none or ngram (k=8)")
+    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    spec = None if args.method == "none" else {"method": args.method, "num_speculative_tokens": 8}
+    engines = {name: LLM(dtype=args.dtype, quantization=args.quantization, compile=args.compile,
+                         speculative_config=spec) for name in ("kernel", "pytorch")}
+    detach_few_row_kernels(engines["pytorch"].model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    prompts = load_prompts("humaneval", args.num_prompts)
+    outputs = {}
+    for name, llm in engines.items():  # warm-up (and compilation)
+        outputs[name] = [llm.generate([p], params)[0].token_ids for p in prompts]
+    speed: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.rounds):
+        for name, llm in engines.items():
+            start = time.perf_counter()
+            for p in prompts:
+                llm.generate([p], params)
+            speed[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - start))
+    ratios = [a / b for a, b in zip(speed["kernel"], speed["pytorch"])]
+    result = {"args": {k: v for k, v in vars(args).items() if k != "out"},
+              "tok_s": {name: [round(s, 1) for s in v] for name, v in speed.items()},
+              "ratio_median": round(statistics.median(ratios), 3), "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
+              "same_outputs": outputs["kernel"] == outputs["pytorch"]}
+    print(json.dumps(result, indent=1))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
