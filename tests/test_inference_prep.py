@@ -49,3 +49,4 @@ def test_fuse_then_pack_keeps_a_plain_module_working():
     expected = module(x)
     pack_linears(module)
     assert isinstance(module[0], PackedLinear) and torch.equal(module(x), expected)
+

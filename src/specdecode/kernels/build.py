@@ -74,3 +74,15 @@ def optional_extension(name: str, source: Path, switch: str, required_flags: set
         logging.getLogger(__name__).warning("the %s kernel failed to build (%s: %s); %s", name,
                                             type(error).__name__, error, fallback)
         return None
+
+
+def block_weight(weight: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / block_n), K / block_k, block_n, block_k], the missing rows zero:
+    the few-row kernels' layout, `block_n` outputs' next `block_k` inputs contiguous (one stream)."""
+    if weight.dim() != 2 or weight.shape[1] % block_k:
+        raise ValueError(f"a 2-D weight whose input size is a multiple of {block_k} is needed, got {tuple(weight.shape)}")
+    N, K = weight.shape
+    blocks = -(-N // block_n)
+    padded = weight.new_zeros(blocks * block_n, K)
+    padded[:N] = weight
+    return padded.view(blocks, block_n, K // block_k, block_k).transpose(1, 2).contiguous()

@@ -139,17 +139,6 @@ void check_blocked(const torch::Tensor& w, int64_t N, int64_t K) {
 
 }  // namespace
 
-// weight [N, K] -> blocked [ceil(N / 16), K / 32, 16, 32], the missing rows zero.
-torch::Tensor block_weight(const torch::Tensor& weight) {
-  TORCH_CHECK(weight.dim() == 2, "weight must be 2-D");
-  const int64_t N = weight.size(0), K = weight.size(1);
-  TORCH_CHECK(K % kBlockK == 0, "input size must be a multiple of ", kBlockK, ", got ", K);
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  auto padded = torch::zeros({blocks * kBlockN, K}, weight.options());
-  padded.narrow(0, 0, N).copy_(weight);
-  return padded.view({blocks, kBlockN, K / kBlockK, kBlockK}).transpose(1, 2).contiguous();
-}
-
 // x [M, K] bf16, w blocked bf16, bias [N] bf16 or None -> y [M, N] bf16
 torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& bias,
                         int64_t N) {
@@ -164,6 +153,5 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_weight", &block_weight, "weight [N, K] bf16 -> the kernel's blocked layout");
   m.def("gemm_bf16", &gemm_bf16, "x [M, K] @ W^T, W bf16 blocked (few rows)");
 }

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.kernels import build
 from specdecode.kernels.build import optional_extension
 
 SOURCE = Path(__file__).with_name("gemv_cpu.cpp")
@@ -36,7 +37,7 @@ def fits(in_features: int, dtype: torch.dtype, device) -> bool:
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] bf16 -> [ceil(N/16), K/32, 16, 32], the layout the kernel reads."""
-    return _extension().block_weight(weight.contiguous())
+    return build.block_weight(weight, 16, BLOCK_K)
 
 
 def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,

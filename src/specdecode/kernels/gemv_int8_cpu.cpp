@@ -100,17 +100,6 @@ void gemm_rows(const float* x, int64_t M, const int8_t* wblocked, int64_t N, int
 
 }  // namespace
 
-// qweight [N, K] int8 -> blocked [ceil(N / 8), K / 8, 8, 8], the missing rows zero.
-torch::Tensor block_weight(const torch::Tensor& qweight) {
-  TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar, "int8 2-D weight");
-  const int64_t N = qweight.size(0), K = qweight.size(1);
-  TORCH_CHECK(K % kBlockK == 0, "input size must be a multiple of ", kBlockK, ", got ", K);
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  auto padded = torch::zeros({blocks * kBlockN, K}, qweight.options());
-  padded.narrow(0, 0, N).copy_(qweight);
-  return padded.view({blocks, kBlockN, K / kBlockK, kBlockK}).transpose(1, 2).contiguous();
-}
-
 // x [M, K] bf16/fp16/fp32, w blocked int8, scales [N] fp32, bias [N] fp32 or None -> y [M, N] in x's dtype
 torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                         const c10::optional<torch::Tensor>& bias, int64_t N) {
@@ -134,6 +123,5 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const to
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("block_weight", &block_weight, "qweight [N, K] int8 -> the kernel's blocked layout");
   m.def("gemm_int8", &gemm_int8, "(x [M, K] @ Q^T) * scales (+ bias), Q int8 blocked (few rows)");
 }

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from specdecode.kernels import build
 from specdecode.kernels.build import optional_extension
 
 SOURCE = Path(__file__).with_name("gemv_int8_cpu.cpp")
@@ -37,7 +38,7 @@ def fits(in_features: int, device) -> bool:
 
 def block_weight(qweight: torch.Tensor) -> torch.Tensor:
     """qweight [N, K] int8 -> [ceil(N/8), K/8, 8, 8], the layout the kernel reads."""
-    return _extension().block_weight(qweight.contiguous())
+    return build.block_weight(qweight, 8, 8)
 
 
 def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
