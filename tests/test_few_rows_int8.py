@@ -1,4 +1,4 @@
-"""The few-row int8 kernel (kernels/gemv_int8_cpu.cpp) and the int8 layers that take it at decode widths."""
+"""The few-row int8 kernel (kernels/gemv_int8_cpu.cpp) and the int8 layers that take it at decode and verify widths."""
 
 from __future__ import annotations
 
@@ -80,6 +80,18 @@ def test_an_int8_layer_takes_the_kernel_up_to_its_width_and_pytorchs_past_it():
     assert all(torch.equal(a, c) for a, c in zip(layer(x), pytorch))  # 6 rows: PyTorch's kernel, as before
 
 
+def test_float32_activations_take_the_kernel_up_to_its_width_and_the_dense_copy_past_it():
+    layer = _layer(40, 64, bias=True)
+    layer.prepare(torch.float32)
+    x = torch.randn(20, 64)
+    dense = layer(x).clone()
+    layer.few_rows = (*_kernel_tensors(_layer(40, 64, seed=1, bias=True)), 16)  # another layer's: shows which ran
+    assert torch.equal(layer(x[:16]), gemv_int8_cpu.few_rows_linear(x[:16], *layer.few_rows[:3], 40))
+    assert torch.equal(layer(x), dense)  # 20 rows: the dense copy, as before
+    layer.few_rows = (*_kernel_tensors(layer), 16)
+    torch.testing.assert_close(layer(x[:3]), dense[:3], rtol=1e-5, atol=1e-5)  # the same matmul, summed otherwise
+
+
 def test_a_compiled_forward_keeps_pytorchs_kernel():
     layer = _layer(64, 32)
     layer.prepare(torch.bfloat16)
@@ -112,7 +124,6 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert [m.few_rows and m.few_rows[-1] for m in model] == [2, 2, 2, None, None]  # views keep the fused layer's
     x = torch.randn(1, 32).bfloat16()
     assert torch.equal(model[1](x), gemv_int8_cpu.few_rows_linear(x, *model[1].few_rows[:3], 64))
-    assert attach_few_row_kernels(model, torch.float32) == {}  # float32 activations: the dense path, no kernel
     detach_few_row_kernels(model)
     assert all(m.few_rows is None for m in model)
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2} and len(probes) == 2  # cached

@@ -168,9 +168,9 @@ FEW_ROW_KINDS = (
     _FewRowKind("bf16", lambda m, dtype: (isinstance(m, PackedLinear) and m.dtype == dtype
                                           and gemv_cpu.fits(m.in_features, dtype, m.packed.device)),
                 lambda m: (gemv_cpu.block_weight(m.dense_weight()),), _bf16_few_rows),
-    # Only served dtypes with PyTorch's int kernel (bf16/fp16): float32 layers keep one dense path.
+    # bf16/fp16 activations (against PyTorch's int kernel) and float32 ones (against the dense copy).
     _FewRowKind("int8", lambda m, dtype: (isinstance(m, QuantizedLinear) and m.scheme.bits == 8 and not m.is_view
-                                          and m._uses_kernel(dtype, m.qweight.device)
+                                          and dtype in (torch.bfloat16, torch.float16, torch.float32)
                                           and gemv_int8_cpu.fits(m.in_features, m.qweight.device)),
                 lambda m: (gemv_int8_cpu.block_weight(m.qweight), m.scales.float().contiguous(),
                            None if m.bias is None else m.bias.float().contiguous()), _int8_few_rows),
@@ -235,11 +235,13 @@ def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype
                   for name in ("qweight", "scales", "zeros") if hasattr(layer, name)}
         rows = QuantizedLinear(stored, layer.in_features, len(index), layer.scheme, bias)
         rows.prepare(dtype)
-        attach_few_row_kernels(rows, dtype)
+        if layer.few_rows is not None:  # served the same way: a few-row kernel only where the layer had one
+            attach_few_row_kernels(rows, dtype)
         return rows
     if isinstance(layer, PackedLinear):
         rows = PackedLinear(layer.dense_weight()[index], bias)
-        attach_few_row_kernels(rows, dtype)
+        if layer.few_rows is not None:
+            attach_few_row_kernels(rows, dtype)
         return rows
     rows = nn.Linear(layer.in_features, len(index), bias=bias is not None, device=layer.weight.device,
                      dtype=layer.weight.dtype).requires_grad_(False)

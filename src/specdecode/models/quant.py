@@ -205,6 +205,9 @@ class QuantizedLinear(nn.Module):
             return _quantized_matmul(x, qweight, scales, bias, self.out_features, group, wide, wide_from, *few)
         if self.wide is not None and x.numel() >= self.wide[1] * self.in_features:
             return self.wide[0](x)  # a wide forward: the dense copy (bias included)
+        if (self.few_rows is not None and x.numel() <= self.few_rows[-1] * self.in_features
+                and not torch.compiler.is_compiling()):  # float32 activations at decode and verify widths
+            return _quantized_matmul(x, None, None, None, self.out_features, 0, None, 0, *self.few_rows)
         return F.linear(x, self._dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
