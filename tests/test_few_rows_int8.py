@@ -92,17 +92,26 @@ def test_float32_activations_take_the_kernel_up_to_its_width_and_the_dense_copy_
     torch.testing.assert_close(layer(x[:3]), dense[:3], rtol=1e-5, atol=1e-5)  # the same matmul, summed otherwise
 
 
-def test_a_compiled_forward_keeps_pytorchs_kernel():
-    layer = _layer(64, 32)
-    layer.prepare(torch.bfloat16)
-    inputs = [torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows)).bfloat16() for rows in (1, 3)]
-    expected = [layer(x) for x in inputs]
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_compiled_forward_takes_the_same_kernels_as_eager_in_one_graph(dtype):
+    from torch._dynamo.utils import counters
+
+    layer = _layer(64, 32, bias=True)
+    layer.prepare(dtype)
     # Another layer's weights in the kernel's slot: whichever forward takes the kernel shows it.
-    layer.few_rows = (*_kernel_tensors(_layer(64, 32, seed=1)), 4)
-    assert not torch.allclose(layer(inputs[0]), expected[0], atol=1e-2)  # eager: the kernel
-    compiled = torch.compile(layer, fullgraph=True)
-    for x, e in zip(inputs, expected):
+    other = _kernel_tensors(_layer(64, 32, seed=1, bias=True))
+    layer.few_rows = (*other, 4)
+    inputs = [torch.randn(rows, 32, generator=torch.Generator().manual_seed(rows)).to(dtype) for rows in (1, 3, 6)]
+    eager = [layer(x) for x in inputs]
+    assert torch.equal(eager[1], gemv_int8_cpu.few_rows_linear(inputs[1], *other, 64))  # 3 rows: the kernel
+    assert not torch.allclose(eager[2], gemv_int8_cpu.few_rows_linear(inputs[2], *other, 64), atol=1e-2)  # 6: not
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
+    graphs = []
+    for x, e in zip(inputs, eager):
         assert torch.equal(compiled(x), e)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[2] == graphs[1]  # 3 and 6 rows: one graph, the width chosen inside the op
 
 
 def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):

@@ -6,7 +6,9 @@ kind of forward, the first time that kind runs: batch 1 or more x 1 or more new 
 specialises sizes 0 and 1), times the hidden-state taps asked for. Every width, batch size and
 context after reuses them (tests/test_compile.py counts them). A quantised target whose layers
 take a dense copy from some width on (models/wide_kernels.py) makes that choice inside one custom
-op per layer (`specdecode::quantized_linear`), so it adds no graph. The compile time is logged
+op per layer (`specdecode::quantized_linear`), so it adds no graph; so do int8 layers with the
+few-row kernel (`specdecode_int8::int8_linear`, a C++ op: a Python custom op's wrappers measured
+about 20 us a call, more than a one-row matmul, and made compiled graphs slower than eager). The compile time is logged
 and summed in `seconds`.
 """
 

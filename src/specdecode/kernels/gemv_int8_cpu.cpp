@@ -122,6 +122,36 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const to
   return y;
 }
 
+// An int8 layer's whole matmul, x [..., K] -> [..., N]: up to `few_upto` rows this kernel, beyond them
+// the dense dequantised weight (float32 activations: at::linear) or PyTorch's int8 kernel (bf16/fp16:
+// qweight [N, K] int8, qscales [N] in x's dtype); `bias` in x's dtype serves those two. A dispatcher op
+// registered here, so a compiled graph calls it without Python (a Python custom op measured ~20-35 us
+// of wrappers per call, more than the one-row matmul itself), and the width choice is no shape guard.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& blocked, const torch::Tensor& few_scales,
+                          const c10::optional<torch::Tensor>& few_bias, int64_t N, int64_t few_upto,
+                          const c10::optional<torch::Tensor>& dense, const c10::optional<torch::Tensor>& qweight,
+                          const c10::optional<torch::Tensor>& qscales, const c10::optional<torch::Tensor>& bias) {
+  const int64_t K = x.size(-1), rows = K == 0 ? 0 : x.numel() / K;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  if (rows <= few_upto) return gemm_int8(x.reshape({rows, K}), blocked, few_scales, few_bias, N).view(out_shape);
+  if (dense.has_value()) return at::linear(x, *dense, bias);
+  TORCH_CHECK(qweight.has_value() && qscales.has_value(), "int8_linear: wider than few_upto and no fallback weight");
+  auto out = at::_weight_int8pack_mm(x.reshape({rows, K}), *qweight, *qscales).view(out_shape);
+  return bias.has_value() ? out + *bias : out;
+}
+
+TORCH_LIBRARY(specdecode_int8, m) {
+  m.def("gemm_int8(Tensor x, Tensor blocked, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor blocked, Tensor few_scales, Tensor? few_bias, int out_features, int few_upto, "
+        "Tensor? dense, Tensor? qweight, Tensor? qscales, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdecode_int8, CPU, m) {
+  m.impl("gemm_int8", &gemm_int8);
+  m.impl("int8_linear", &int8_linear);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_int8", &gemm_int8, "(x [M, K] @ Q^T) * scales (+ bias), Q int8 blocked (few rows)");
+  // Nothing here: the ops are registered with the dispatcher above (torch.ops.specdecode_int8).
 }

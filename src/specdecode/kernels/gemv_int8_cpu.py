@@ -2,10 +2,11 @@
 blocked layout, widened to fp32 in registers and streamed once for the 1-4 rows of a decode or
 drafting step.
 
-Served by int8 `QuantizedLinear` layers (models/inference.py `attach_few_row_kernels`; eager
-forwards only) up to the width measured per layer shape where the CPU has AVX2 and FMA and the build
-succeeds; anything else keeps PyTorch's `_weight_int8pack_mm`. SPECDECODE_FEW_ROW_KERNELS=0 turns
-them off (with the bf16 ones).
+Served by int8 `QuantizedLinear` layers (models/inference.py `attach_few_row_kernels`) up to the
+width measured per layer shape where the CPU has AVX2 and FMA and the build succeeds; anything else
+keeps PyTorch's `_weight_int8pack_mm`. The ops are registered with PyTorch's dispatcher
+(`torch.ops.specdecode_int8`), so eager and compiled forwards call the same C++ code, a compiled
+graph without Python in between. SPECDECODE_FEW_ROW_KERNELS=0 turns them off (with the bf16 ones).
 """
 
 from __future__ import annotations
@@ -26,9 +27,24 @@ REQUIRED_FLAGS = {"avx2", "fma"}
 @functools.cache
 def _extension():
     """The built module, or None where the CPU lacks AVX2/FMA, the kernels are turned off or the
-    build failed (logged once)."""
-    return optional_extension("gemv_int8_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
-                              "PyTorch's int8 kernel serves instead")
+    build failed (logged once). Loading it registers the ops `torch.ops.specdecode_int8.*`."""
+    module = optional_extension("gemv_int8_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
+                                "PyTorch's int8 kernel serves instead")
+    if module is not None:
+        _register_fake_kernels()
+    return module
+
+
+@functools.cache  # once per process, however often `_extension` is asked again
+def _register_fake_kernels() -> None:
+    """Output shapes for torch.compile's tracing (the ops run in C++ only)."""
+    def out_shape(x, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    torch.library.register_fake("specdecode_int8::gemm_int8")(
+        lambda x, blocked, scales, bias, out_features: out_shape(x, out_features))
+    torch.library.register_fake("specdecode_int8::int8_linear")(
+        lambda x, blocked, few_scales, few_bias, out_features, *fallback: out_shape(x, out_features))
 
 
 def fits(in_features: int, device) -> bool:
@@ -44,4 +60,15 @@ def block_weight(qweight: torch.Tensor) -> torch.Tensor:
 def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
                     out_features: int) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32) -> (x @ Q^T) * scales + bias [M, N] in x's dtype (scales, bias [N] fp32)."""
-    return _extension().gemm_int8(x, blocked, scales, bias, out_features)
+    return torch.ops.specdecode_int8.gemm_int8(x, blocked, scales, bias, out_features)
+
+
+def int8_linear(x: torch.Tensor, blocked: torch.Tensor, few_scales: torch.Tensor, few_bias: torch.Tensor | None,
+                out_features: int, few_upto: int, dense: torch.Tensor | None, qweight: torch.Tensor | None,
+                qscales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """An int8 layer's matmul, x [..., K] -> [..., N] in x's dtype: the kernel up to `few_upto` rows
+    (`blocked`, fp32 `few_scales` / `few_bias`), wider ones `dense` (the dequantised weight, float32
+    activations) or `_weight_int8pack_mm(qweight, qscales)` (bf16/fp16), with `bias` in x's dtype.
+    One C++ op: a compiled graph calls it without Python, and its width choice is no shape guard."""
+    return torch.ops.specdecode_int8.int8_linear(x, blocked, few_scales, few_bias, out_features, few_upto, dense,
+                                                 qweight, qscales, bias)

@@ -16,7 +16,9 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
   `_weight_int8pack_mm` here, torchao 0.18's int8 weight-only layer 3.7x slower at one row and
   its CPU int4 1.4x slower (`benchmarks/torchao_kernels.py`). On an AVX2-only CPU (AMD EPYC
   Zen 3) `_weight_int8pack_mm` is compute-bound at decode widths, so int8 layers take
-  specdecode's own few-row kernel there (kernels/gemv_int8_cpu.cpp) up to a measured width.
+  specdecode's own few-row kernel there (kernels/gemv_int8_cpu.cpp) up to a measured width,
+  eager and compiled: the layer's whole matmul (kernel, or past its width the fallback) is one
+  C++ dispatcher op, `specdecode_int8::int8_linear`.
 - float32 (the tests' precision), and devices without those kernels (CUDA is not wired yet):
   a dense matmul with the dequantised weight, built once on first use (so it holds a dense
   copy too). Correct everywhere; fast only where dense is. On AVX2 int8 layers serve float32
@@ -194,23 +196,32 @@ class QuantizedLinear(nn.Module):
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        compiling = torch.compiler.is_compiling()
+        if self.wide is not None and not compiling and x.numel() >= self.wide[1] * self.in_features:
+            return self.wide[0](x)  # a wide forward: the dense copy (bias included)
+        if self.few_rows is not None and (self.wide is None or not compiling):
+            return self._few_rows_matmul(x)
         if self._uses_kernel(x.dtype, x.device):
             qweight, scales = self._kernel_tensors(x.dtype)
             group = 0 if self.scheme.bits == 8 else self.scheme.group_size
             wide, wide_from = (self.wide[0].packed, self.wide[1]) if self.wide is not None else (None, 0)
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            if torch.compiler.is_compiling():  # one opaque op: the width choice is no shape guard of the graph
-                # Without the few-row kernel: with it inside the op, compiled int8 decoding measured
-                # 0.85x and n-gram speculation 0.87x (paired, 5 rounds, Zen 4); cause not found.
+            if compiling:  # one opaque op: the width choice is no shape guard of the graph
                 return quantized_linear(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
-            few = self.few_rows if self.few_rows is not None else (None, None, None, 0)
-            return _quantized_matmul(x, qweight, scales, bias, self.out_features, group, wide, wide_from, *few)
-        if self.wide is not None and x.numel() >= self.wide[1] * self.in_features:
-            return self.wide[0](x)  # a wide forward: the dense copy (bias included)
-        if (self.few_rows is not None and x.numel() <= self.few_rows[-1] * self.in_features
-                and not torch.compiler.is_compiling()):  # float32 activations at decode and verify widths
-            return _quantized_matmul(x, None, None, None, self.out_features, 0, None, 0, *self.few_rows)
+            return _quantized_matmul(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
         return F.linear(x, self._dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def _few_rows_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The few-row int8 kernel up to its measured width, then the dense copy (float32 activations)
+        or PyTorch's int8 kernel: one C++ op, eager and compiled alike."""
+        if self._uses_kernel(x.dtype, x.device):
+            dense, (qweight, qscales) = None, self._kernel_tensors(x.dtype)
+        else:
+            dense, qweight, qscales = self._dense_weight(x.dtype), None, None
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        few, few_scales, few_bias, few_upto = self.few_rows
+        return gemv_int8_cpu.int8_linear(x, few, few_scales, few_bias, self.out_features, few_upto, dense, qweight,
+                                         qscales, bias)
 
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
         """Output rows [start, stop) as a layer of their own, sharing this one's storage."""
@@ -225,18 +236,11 @@ class QuantizedLinear(nn.Module):
 
 
 def _quantized_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                      out_features: int, group_size: int, wide: torch.Tensor | None, wide_from: int,
-                      few: torch.Tensor | None = None, few_scales: torch.Tensor | None = None,
-                      few_bias: torch.Tensor | None = None, few_upto: int = 0) -> torch.Tensor:
+                      out_features: int, group_size: int, wide: torch.Tensor | None, wide_from: int) -> torch.Tensor:
     """x [..., K] -> [..., N] through PyTorch's int kernels (group_size 0: int8; else int4 in tinygemm's
-    layout, `scales` its scales and zeros); from `wide_from` rows on, the dense packed copy `wide`;
-    below that, up to `few_upto` rows, specdecode's few-row int8 kernel (`few`: its blocked weight,
-    `few_scales` / `few_bias` fp32)."""
+    layout, `scales` its scales and zeros); from `wide_from` rows on, the dense packed copy `wide`."""
     if wide is not None and x.numel() >= wide_from * x.shape[-1]:
         return torch.ops.mkldnn._linear_pointwise(x, wide, bias, "none", [], "")
-    if few is not None and x.numel() <= few_upto * x.shape[-1]:
-        out = gemv_int8_cpu.few_rows_linear(x.reshape(-1, x.shape[-1]), few, few_scales, few_bias, out_features)
-        return out.view(*x.shape[:-1], out_features)
     rows = x.reshape(-1, x.shape[-1])  # the kernels take 2-D rows
     if group_size == 0:
         out = torch._weight_int8pack_mm(rows, qweight, scales)
