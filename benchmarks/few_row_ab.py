@@ -1,10 +1,13 @@
-"""Two engines in one process, one with its few-row kernels detached, timed in alternate rounds:
-the kernels' end-to-end effect on decoding as a paired ratio (the machine's drift hits both alike).
+"""Two engines in one process, timed in alternate rounds: an effect on decoding end to end as a
+paired ratio (the machine's drift hits both alike). `--against pytorch` (the default): the few-row
+kernels' effect (the baseline engine has them detached); `--against eager`: torch.compile's (the
+candidate engine is compiled, the baseline eager, both with the kernels).
 
     python benchmarks/few_row_ab.py --quantization int8 [--method ngram] [--compile]
+    python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against eager
 
 Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored);
-prints each round's tok/s and the median of the per-round ratios kernel / PyTorch's kernels.
+prints each round's tok/s and the median of the per-round ratios candidate / baseline.
 """
 
 from __future__ import annotations
@@ -25,16 +28,20 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--method", default="none", help="none or ngram (k=8)")
-    parser.add_argument("--compile", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="both engines compiled (--against pytorch)")
+    parser.add_argument("--against", choices=("pytorch", "eager"), default="pytorch",
+                        help="the baseline: PyTorch's kernels in place of the few-row ones, or eager forwards")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     spec = None if args.method == "none" else {"method": args.method, "num_speculative_tokens": 8}
-    engines = {name: LLM(dtype=args.dtype, quantization=args.quantization, compile=args.compile,
-                         speculative_config=spec) for name in ("kernel", "pytorch")}
-    detach_few_row_kernels(engines["pytorch"].model)
+    compiled = {"candidate": args.compile or args.against == "eager", "baseline": args.compile and args.against != "eager"}
+    engines = {name: LLM(dtype=args.dtype, quantization=args.quantization, compile=compiled[name],
+                         speculative_config=spec) for name in ("candidate", "baseline")}
+    if args.against == "pytorch":
+        detach_few_row_kernels(engines["baseline"].model)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     prompts = load_prompts("humaneval", args.num_prompts)
     outputs = {}
@@ -47,11 +54,11 @@ def main() -> None:
             for p in prompts:
                 llm.generate([p], params)
             speed[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - start))
-    ratios = [a / b for a, b in zip(speed["kernel"], speed["pytorch"])]
+    ratios = [a / b for a, b in zip(speed["candidate"], speed["baseline"])]
     result = {"args": {k: v for k, v in vars(args).items() if k != "out"},
               "tok_s": {name: [round(s, 1) for s in v] for name, v in speed.items()},
               "ratio_median": round(statistics.median(ratios), 3), "ratio_range": [round(min(ratios), 3), round(max(ratios), 3)],
-              "same_outputs": outputs["kernel"] == outputs["pytorch"]}
+              "same_outputs": outputs["candidate"] == outputs["baseline"]}
     print(json.dumps(result, indent=1))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
