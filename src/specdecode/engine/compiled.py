@@ -8,8 +8,8 @@ context after reuses them (tests/test_compile.py counts them). A quantised targe
 take a dense copy from some width on (models/wide_kernels.py) makes that choice inside one custom
 op per layer (`specdecode::quantized_linear`), so it adds no graph; so do int8 layers with the
 few-row kernel (`specdecode_int8::int8_linear`, a C++ op: a Python custom op's wrappers measured
-about 20 us a call, more than a one-row matmul, and made compiled graphs slower than eager). The compile time is logged
-and summed in `seconds`.
+about 22 us a call, more than a one-row matmul). The compile time is logged and summed in
+`seconds`.
 """
 
 from __future__ import annotations

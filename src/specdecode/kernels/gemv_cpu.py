@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 
 from specdecode.kernels import build
-from specdecode.kernels.build import optional_extension
 
 SOURCE = Path(__file__).with_name("gemv_cpu.cpp")
 BLOCK_K = 32  # the input size must be a multiple of this
@@ -25,8 +24,8 @@ REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 def _extension():
     """The built module, or None where the CPU lacks AVX-512 BF16, the kernels are turned off or
     the build failed (logged once)."""
-    return optional_extension("gemv_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
-                              "oneDNN serves instead")
+    return build.optional_extension("gemv_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
+                                    "oneDNN serves instead")
 
 
 def fits(in_features: int, dtype: torch.dtype, device) -> bool:

@@ -1,6 +1,6 @@
 """Few-row int8 weight-only matmuls for decoding on an AVX2 CPU (gemv_int8_cpu.cpp): int8 weights in a
-blocked layout, widened to fp32 in registers and streamed once for the 1-4 rows of a decode or
-drafting step.
+blocked layout, widened to fp32 in registers and streamed once per group of 4 rows, for the 1-16
+rows of a decode, drafting or verification step.
 
 Served by int8 `QuantizedLinear` layers (models/inference.py `attach_few_row_kernels`) up to the
 width measured per layer shape where the CPU has AVX2 and FMA and the build succeeds; anything else
@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from specdecode.kernels import build
-from specdecode.kernels.build import optional_extension
 
 SOURCE = Path(__file__).with_name("gemv_int8_cpu.cpp")
 BLOCK_K = 8  # the input size must be a multiple of this
@@ -28,8 +27,8 @@ REQUIRED_FLAGS = {"avx2", "fma"}
 def _extension():
     """The built module, or None where the CPU lacks AVX2/FMA, the kernels are turned off or the
     build failed (logged once). Loading it registers the ops `torch.ops.specdecode_int8.*`."""
-    module = optional_extension("gemv_int8_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
-                                "PyTorch's int8 kernel serves instead")
+    module = build.optional_extension("gemv_int8_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
+                                      "PyTorch's int8 kernel serves instead")
     if module is not None:
         _register_fake_kernels()
     return module
