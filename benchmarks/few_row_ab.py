@@ -1,10 +1,13 @@
 """Two engines in one process, timed in alternate rounds: an effect on decoding end to end as a
 paired ratio (the machine's drift hits both alike). `--against pytorch` (the default): the few-row
 kernels' effect (the baseline engine has them detached); `--against eager`: torch.compile's (the
-candidate engine is compiled, the baseline eager, both with the kernels).
+candidate engine is compiled, the baseline eager, both with the kernels); `--against modules`: the
+C++ layer stack's (models/native_stack.py; the baseline's models and drafter blocks run their
+Python modules).
 
     python benchmarks/few_row_ab.py --quantization int8 [--method ngram] [--compile]
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against eager
+    python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against modules --method eagle3
 
 Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored);
 prints each round's tok/s and the median of the per-round ratios candidate / baseline.
@@ -18,30 +21,41 @@ import statistics
 import time
 from pathlib import Path
 
+from torch import nn
+
 from specdecode import LLM, SamplingParams
 from specdecode.bench.prompts import load_prompts
 from specdecode.models.inference import detach_few_row_kernels
+from specdecode.models.native_stack import serve_by_modules
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None)
-    parser.add_argument("--method", default="none", help="none or ngram (k=8)")
+    parser.add_argument("--method", default="none",
+                        help="none, ngram (k=8), or a shipped drafter: draft_model, eagle3, mtp (k=4)")
     parser.add_argument("--compile", action="store_true", help="both engines compiled (--against pytorch)")
-    parser.add_argument("--against", choices=("pytorch", "eager"), default="pytorch",
-                        help="the baseline: PyTorch's kernels in place of the few-row ones, or eager forwards")
+    parser.add_argument("--against", choices=("pytorch", "eager", "modules"), default="pytorch",
+                        help="the baseline: PyTorch's kernels in place of the few-row ones, eager forwards, or the "
+                             "Python modules in place of the C++ layer stack")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    spec = None if args.method == "none" else {"method": args.method, "num_speculative_tokens": 8}
+    spec = None if args.method == "none" else {"method": args.method,
+                                                "num_speculative_tokens": 8 if args.method == "ngram" else 4}
     compiled = {"candidate": args.compile or args.against == "eager", "baseline": args.compile and args.against != "eager"}
     engines = {name: LLM(dtype=args.dtype, quantization=args.quantization, compile=compiled[name],
                          speculative_config=spec) for name in ("candidate", "baseline")}
     if args.against == "pytorch":
         detach_few_row_kernels(engines["baseline"].model)
+    elif args.against == "modules":
+        proposer = getattr(engines["baseline"].speculator, "proposer", None)
+        for module in [engines["baseline"].model, *(vars(proposer).values() if proposer is not None else ())]:
+            if isinstance(module, nn.Module):
+                serve_by_modules(module)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     prompts = load_prompts("humaneval", args.num_prompts)
     outputs = {}

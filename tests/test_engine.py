@@ -235,3 +235,19 @@ def test_engine_settings_are_config_errors(native_model, monkeypatch):
         LLM(native_model, device="cuda")
     with pytest.raises(ConfigError, match="no CUDA device"):
         LLM(native_model, device="cuda:0")
+
+
+def test_a_single_chain_batch_is_built_as_the_ragged_path_builds_it():
+    # build_attention's batch-1 shortcut (decode, chain verify, prefill) against the general path.
+    import dataclasses
+
+    from specdecode.engine.ragged import _one_chain, _ragged
+
+    for tokens, start in (([5], 0), ([5], 37), ([5, 6, 7, 8], 12), (list(range(3, 40)), 0)):
+        entry = ForwardEntry(slot=2, token_ids=tokens, start=start, num_logits=len(tokens))
+        fast, general = _one_chain(entry, "cpu"), _ragged([entry], 99, None, "cpu")
+        for a, b in zip(fast[:2], general[:2]):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        for field in dataclasses.fields(fast[2]):
+            a, b = getattr(fast[2], field.name), getattr(general[2], field.name)
+            assert (torch.equal(a, b) and a.dtype == b.dtype) if isinstance(a, torch.Tensor) else a == b, field.name

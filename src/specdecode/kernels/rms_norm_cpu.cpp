@@ -65,6 +65,15 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// Also a dispatcher op, for C++ callers (decode_stack_cpu.cpp); Python calls the function directly.
+TORCH_LIBRARY(specdecode_norm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdecode_norm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of each row (float32 statistics, the dtype's rounding steps)");
 }

@@ -27,6 +27,7 @@ from specdecode.models.layers import (MLP, AttentionBatch, RMSNorm, RotaryEmbedd
                                       apply_rope_interleaved, read_columns, write_columns, write_kv)
 from specdecode.models.mla import MLAAttention
 from specdecode.models.moe import MoE
+from specdecode.models.native_stack import ServedTypes, batch_served, native_block_for, native_stack_for
 
 
 class KVCache:
@@ -251,12 +252,21 @@ class DecoderLayer(nn.Module):
         """x [B, T, d] is the residual stream. `attn_input` replaces input_layernorm(x) as what
         attention reads (EAGLE-3: [norm(embedding) ; norm(feature)], 2d wide). `dsa` carries
         DSA's indexer cache and shared top-k between layers (DeepSeek-V3.2, GLM-5)."""
+        if cache_k is not None and dsa is None and batch_served(batch) and x.device.type == "cpu" \
+                and not torch.compiler.is_compiling():  # a drafter's block: the same ops from C++, where it serves
+            native = native_block_for(self, NATIVE_TYPES)
+            if native is not None and native.serves(x):
+                return native.forward(x, cos, sin, batch, (cache_k,), (cache_v,), attn_input=attn_input)[0]
         h = self.input_layernorm(x) if attn_input is None else attn_input
         if dsa is None:
             x = x + self.self_attn(h, cos, sin, batch, cache_k, cache_v)
         else:
             x = x + self.self_attn(h, cos, sin, batch, cache_k, cache_v, dsa)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# What the C++ stack (models/native_stack.py) reproduces: these types exactly.
+NATIVE_TYPES = ServedTypes(block=DecoderLayer, attention=Attention, fused_linear=FusedLinear)
 
 
 class SharedHead(nn.Module):
@@ -364,6 +374,10 @@ class LlamaForCausalLM(nn.Module):
         output before the final norm. Taps cost no extra forward."""
         x = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        if kv_cache is not None and batch_served(batch) and x.device.type == "cpu" and not torch.compiler.is_compiling():
+            native = native_stack_for(self, NATIVE_TYPES)  # the same ops from C++ (models/native_stack.py), where it serves
+            if native is not None and native.serves(x):
+                return ForwardOutput(*native.forward(x, cos, sin, batch, kv_cache.k, kv_cache.v, hidden_taps))
         taps: dict[int, torch.Tensor] = {}
         L = self.config.num_hidden_layers  # MTP layers (model.layers[L:]) are drafters, not part of the stack
         dsa = (dsa_record if dsa_record is not None else SparseContext()) if self.config.has_dsa else None

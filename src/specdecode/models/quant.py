@@ -214,14 +214,18 @@ class QuantizedLinear(nn.Module):
     def _few_rows_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row int8 kernel up to its measured width, then the dense copy (float32 activations)
         or PyTorch's int8 kernel: one C++ op, eager and compiled alike."""
-        if self._uses_kernel(x.dtype, x.device):
-            dense, (qweight, qscales) = None, self._kernel_tensors(x.dtype)
+        return gemv_int8_cpu.int8_linear(x, *self.few_rows_arguments(x.dtype, x.device))
+
+    def few_rows_arguments(self, dtype: torch.dtype, device: torch.device) -> tuple:
+        """What `int8_linear` takes after x for `dtype` activations (the few-row kernel attached):
+        blocked weight, fp32 scales and bias, out features, its width, then the wider rows' weights."""
+        if self._uses_kernel(dtype, device):
+            dense, (qweight, qscales) = None, self._kernel_tensors(dtype)
         else:
-            dense, qweight, qscales = self._dense_weight(x.dtype), None, None
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+            dense, qweight, qscales = self._dense_weight(dtype), None, None
+        bias = None if self.bias is None else self.bias.to(dtype)
         few, few_scales, few_bias, few_upto = self.few_rows
-        return gemv_int8_cpu.int8_linear(x, few, few_scales, few_bias, self.out_features, few_upto, dense, qweight,
-                                         qscales, bias)
+        return few, few_scales, few_bias, self.out_features, few_upto, dense, qweight, qscales, bias
 
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
         """Output rows [start, stop) as a layer of their own, sharing this one's storage."""

@@ -1,0 +1,206 @@
+"""The target's layer stack as one C++ call (`kernels/decode_stack_cpu.cpp`) for eager CPU inference.
+
+Why: an eager decode token of the default model (float32 activations, int8 weights, 2-core AVX2
+EPYC) measured ~3.3 ms, of which its 25 matmuls take ~0.9 ms and attention ~0.2 ms; the rest is
+Python around ~150 small ops. The C++ stack runs the same ops on the same kernels in the same
+order, so its results are bit-identical to the modules' (tests/test_native_stack.py checks it).
+
+It serves a forward when every piece is one it reproduces: standard attention (not MLA / DSA),
+dense SwiGLU MLPs, linear layers that are dense (`nn.Linear`, `FusedLinear`) or int8
+`QuantizedLinear`s with their few-row kernel attached (no dense wide copy, no exact-mode row
+tiling), RMSNorm weights in the activations' dtype; and a batch of contiguous cache rows writing
+the same columns (decode and chain verification at batch 1, equal-length batches), outside exact
+mode, autograd and `torch.compile`. Anything else runs the Python modules, as before.
+
+The stack holds the layers' tensors; `current()` checks, per forward, that the modules still hold
+the same layers and kernels (exact mode detaches kernels, quantisation swaps layers), so a
+changed model is rebuilt, never served stale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+import weakref
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from specdecode.kernels import decode_stack_cpu
+from specdecode.models.layers import MLP, AttentionBatch, RMSNorm
+
+if TYPE_CHECKING:
+    from specdecode.models.llama import LlamaForCausalLM
+
+
+class NotServed(Exception):
+    """A model piece the C++ stack does not reproduce (the reason is the message)."""
+
+
+class Watch:
+    """(object, attribute, value) triples a decision was made on; `current()` compares them by identity.
+    Each is kept as the dict that holds the attribute (a module's _parameters / _buffers / _modules or
+    its __dict__) and its key: a lookup there costs a tenth of nn.Module's getattr (~160 per forward)."""
+
+    def __init__(self):
+        self._dicts, self._keys, self._values = [], [], []
+
+    def get(self, owner: object, name: str):
+        value = getattr(owner, name)
+        holder = owner.__dict__
+        if isinstance(owner, nn.Module):
+            holder = next((d for d in (owner._parameters, owner._buffers, owner._modules) if name in d), holder)
+        self._dicts.append(holder)
+        self._keys.append(name)
+        self._values.append(value)
+        return value
+
+    def current(self) -> bool:
+        try:
+            return all(map(operator.is_, map(operator.getitem, self._dicts, self._keys), self._values))
+        except KeyError:  # the attribute moved (a plain object replaced by a module, or deleted)
+            return False
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ServedTypes:
+    """The module types the stack reproduces, exactly (a subclass may compute otherwise); given by
+    models/llama.py, which defines them and calls this module (so this one does not import it)."""
+
+    block: type  # DecoderLayer
+    attention: type  # Attention
+    fused_linear: type  # FusedLinear
+
+
+class NativeStack:
+    """Decoder blocks (a model's whole stack with its final norm, or one drafter block) as one C++ call."""
+
+    def __init__(self, blocks: list[nn.Module], final_norm: nn.Module | None, watch: Watch, types: ServedTypes):
+        """Raises NotServed where a block is not one the stack reproduces; `watch` records what was
+        looked at (also when it raises, so a model changed since is examined again)."""
+        extension = decode_stack_cpu.extension()
+        if extension is None:
+            raise NotServed("the decode-stack kernel is not built here")
+        first_norm = getattr(blocks[0], "input_layernorm", None)
+        if not isinstance(first_norm, RMSNorm):
+            raise NotServed(f"block {type(blocks[0]).__name__}")
+        self.dtype = first_norm.weight.dtype
+        # Forward hooks of the modules the stack stands for (and global ones): checked per forward, as
+        # the C++ stack calls none (exact/bisect.py records every module's output through them).
+        hooks = torch.nn.modules.module
+        self._hooks = [hooks._global_forward_pre_hooks, hooks._global_forward_hooks]
+
+        def norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
+            if norm is None:
+                return None
+            weight = watch.get(norm, "weight")
+            if type(norm) is not RMSNorm or weight.dtype != self.dtype or weight.device.type != "cpu":
+                raise NotServed(f"norm {norm}")
+            watch.get(norm, "eps")
+            return weight
+
+        def linear(owner: nn.Module, name: str):
+            layer = watch.get(owner, name)
+            if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
+                if layer.scheme.bits != 8 or watch.get(layer, "few_rows") is None:
+                    raise NotServed(f"{name}: not an int8 layer with its few-row kernel")
+                if watch.get(layer, "wide") is not None or watch.get(layer, "row_tiling") is not None:
+                    raise NotServed(f"{name}: a wide copy or a row tiling")
+                return extension.int8_linear(*layer.few_rows_arguments(self.dtype, layer.qweight.device))
+            if isinstance(layer, types.fused_linear) or type(layer) is nn.Linear:
+                if layer.weight.dtype != self.dtype:
+                    raise NotServed(f"{name}: weight dtype {layer.weight.dtype}")
+                return extension.dense_linear(watch.get(layer, "weight"), watch.get(layer, "bias"))
+            raise NotServed(f"{name}: {type(layer).__name__}")
+
+        layers = []
+        for block in blocks:
+            attn, mlp = watch.get(block, "self_attn"), watch.get(block, "mlp")
+            if type(block) is not types.block or type(attn) is not types.attention or type(mlp) is not MLP:
+                raise NotServed(f"block {type(block).__name__}({type(attn).__name__}, {type(mlp).__name__})")
+            if attn.qkv is None or mlp.gate_up is None:
+                raise NotServed("projections not fused")
+            norms = [watch.get(block, "input_layernorm"), watch.get(block, "post_attention_layernorm"),
+                     watch.get(attn, "q_norm"), watch.get(attn, "k_norm")]
+            if len({n.eps for n in norms if n is not None}) != 1:
+                raise NotServed("norms of one layer with different eps")
+            layers.append(extension.Layer(
+                *map(norm_weight, norms), norms[0].eps,
+                linear(attn, "qkv"), linear(attn, "o_proj"), linear(mlp, "gate_up"), linear(mlp, "down_proj"),
+                attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features))
+            self._hooks += [d for m in block.modules() for d in (m._forward_pre_hooks, m._forward_hooks)]
+        if final_norm is not None:
+            self._hooks += [final_norm._forward_pre_hooks, final_norm._forward_hooks]
+        self._stack = extension.Stack(layers, norm_weight(final_norm), 0.0 if final_norm is None else final_norm.eps)
+        self._k: list[torch.Tensor] = []  # the caches bound to the C++ stack
+        self._v: list[torch.Tensor] = []
+
+    def serves(self, x: torch.Tensor) -> bool:
+        """Whether this forward is one the stack runs (`batch_served` checked first)."""
+        return x.dtype == self.dtype and not torch.is_grad_enabled() and not any(self._hooks)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
+                cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], hidden_taps: tuple[int, ...] = (),
+                attn_input: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """x [B, T, d] (a model: its embeddings; a block: its residual input), one cache K and V per
+        block -> (the last block's output [B, T, d], final-normed where the stack has the final norm;
+        {tap: [B, T, d]}, models/llama.py's numbering). `attn_input` replaces the first block's input
+        norm as what attention reads (EAGLE-3)."""
+        if len(cache_k) != len(self._k) or not all(map(operator.is_, cache_k, self._k)) \
+                or not all(map(operator.is_, cache_v, self._v)):
+            self._stack.bind_cache(list(cache_k), list(cache_v))
+            self._k, self._v = list(cache_k), list(cache_v)
+        mask = batch.attn_mask
+        num_keys = mask.shape[-1] if mask is not None else batch.num_keys
+        taps = list(hidden_taps)
+        hidden, tapped = self._stack.forward(x, cos, sin, *batch.slot_range, batch.write_start, num_keys,
+                                             None if batch.sees_all else mask, taps, attn_input)
+        return hidden, dict(zip(taps, tapped))
+
+
+def batch_served(batch: AttentionBatch | None) -> bool:
+    """Whether a cached forward's batch is one the C++ stack runs: contiguous cache rows writing the
+    same columns, not exact mode (cheap: checked before anything else)."""
+    return batch is not None and batch.slot_range is not None and batch.write_start is not None and not batch.exact
+
+
+# module -> (what its stack was decided on, the stack or None); weak: no reference keeps a model alive,
+# and the module itself holds nothing that deepcopy or pickling would trip on.
+_STACKS: "weakref.WeakKeyDictionary[nn.Module, tuple[Watch, NativeStack | None]]" = weakref.WeakKeyDictionary()
+
+
+def _cached(module: nn.Module, build) -> NativeStack | None:
+    """The module's stack, built on first use and again when what it was built from changed."""
+    entry = _STACKS.get(module)
+    if entry is not None and entry[0].current():
+        return entry[1]
+    watch = Watch()
+    try:
+        stack = build(watch)
+    except NotServed:
+        stack = None
+    _STACKS[module] = (watch, stack)
+    return stack
+
+
+def native_stack_for(model: "LlamaForCausalLM", types: ServedTypes) -> NativeStack | None:
+    """A model's layer stack and final norm as one C++ call (None: not served)."""
+    def build(watch: Watch) -> NativeStack:
+        if model.config.is_mla or model.config.has_dsa:
+            raise NotServed("MLA / DSA attention")
+        blocks = [watch.get(model.model.layers, str(i)) for i in range(model.config.num_hidden_layers)]
+        return NativeStack(blocks, watch.get(model.model, "norm"), watch, types)
+
+    return _cached(model, build)
+
+
+def native_block_for(block: nn.Module, types: ServedTypes) -> NativeStack | None:
+    """One decoder block (a drafter's) as one C++ call (None: not served)."""
+    return _cached(block, lambda watch: NativeStack([block], None, watch, types))
+
+
+def serve_by_modules(module: nn.Module) -> None:
+    """Run every model and decoder block under `module` by its Python modules (A/B measurements)."""
+    for m in module.modules():
+        _STACKS[m] = (Watch(), None)  # nothing watched: the decision stands

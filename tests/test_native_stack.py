@@ -1,0 +1,160 @@
+"""The layer stack as one C++ call (models/native_stack.py, kernels/decode_stack_cpu.cpp): bit-identical
+to the Python modules for every batch it serves, and never serving what it does not reproduce."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import make_hf_model
+
+from specdecode import LLM, SamplingParams
+from specdecode.engine.ragged import ForwardEntry
+from specdecode.kernels import decode_stack_cpu, gemv_int8_cpu
+from specdecode.models import kernel_probe, llama, native_stack
+from specdecode.models.inference import detach_few_row_kernels
+from specdecode.models.layers import AttentionBatch
+
+pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ stack needs a C++ compiler")
+
+
+@pytest.fixture
+def forced_kernels(monkeypatch):
+    """Every int8 shape takes the few-row kernel up to its widest probe, whatever this machine measures."""
+    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
+    monkeypatch.setattr(kernel_probe, "load_choices", dict)
+    monkeypatch.setattr(kernel_probe, "save_choices", lambda cached: None)
+
+
+@pytest.fixture
+def stack_calls(monkeypatch) -> list[int]:
+    """The forwards C++ stacks ran: the token counts of whole models' (more than one block), then
+    (blocks, tokens) of single blocks'."""
+    calls: list = []
+    forward = native_stack.NativeStack.forward
+
+    def counted(self, x, cos, sin, batch, cache_k, *args, **kwargs):
+        calls.append(x.shape[1] if len(cache_k) > 1 else (1, x.shape[1]))
+        return forward(self, x, cos, sin, batch, cache_k, *args, **kwargs)
+
+    monkeypatch.setattr(native_stack.NativeStack, "forward", counted)
+    return calls
+
+
+def _steps(vocab: int) -> list[list[ForwardEntry]]:
+    """Prefill, a decode step (every query sees every key: no mask), a chain verify (causal mask),
+    two sequences decoding side by side, a tree verify (its mask), and two sequences at different
+    columns (not served: the stack writes one column range for all)."""
+    g = torch.Generator().manual_seed(0)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    return [[ForwardEntry(0, ids(9), 0)], [ForwardEntry(0, ids(1), 9)],
+            [ForwardEntry(0, ids(5), 10, num_logits=5)],
+            [ForwardEntry(0, ids(1), 15), ForwardEntry(1, ids(1), 15)],
+            [ForwardEntry(0, ids(3), 16, num_logits=3, tree_mask=tree)],
+            [ForwardEntry(0, ids(2), 19, num_logits=2), ForwardEntry(1, ids(1), 16)]]
+
+
+def _run(llm: LLM, steps, taps=(0, 1, 2)) -> list:
+    return [llm.runner.forward(entries, hidden_taps=taps) for entries in steps]
+
+
+def _assert_bit_identical(ours, theirs) -> None:
+    for step, (a, b) in enumerate(zip(ours, theirs)):
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden), step
+        assert a.taps.keys() == b.taps.keys() and all(torch.equal(a.taps[i], b.taps[i]) for i in a.taps), step
+
+
+def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
+    steps = _steps(llm.model.config.vocab_size)
+    ours = _run(llm, steps)
+    assert stack_calls == [9, 1, 5, 1, 3]  # every step but the last
+    with monkeypatch.context() as m:
+        m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_block_for", lambda *args: None)
+        theirs = _run(llm, steps)
+    assert len(stack_calls) == 5
+    _assert_bit_identical(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", "int8"), ("float32", None), ("bfloat16", "int8"),
+                                                ("bfloat16", None)])
+def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, stack_calls, monkeypatch, dtype,
+                                                  quantization):
+    if quantization == "int8" and not gemv_int8_cpu.fits(8, "cpu"):
+        pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
+    _compare(LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2), stack_calls, monkeypatch)
+
+
+@pytest.mark.parametrize("family,extra", [("qwen3", {}), ("qwen2", {}), ("llama", {"kv_heads": 4})])
+def test_variant_blocks_are_reproduced_too(tmp_path, stack_calls, monkeypatch, family, extra):
+    # q/k norm (Qwen3), q/k/v biases (Qwen2), one KV head per query head (no GQA folding).
+    model = make_hf_model(tmp_path / family, family, **extra)
+    _compare(LLM(model, dtype="float32", max_num_seqs=2), stack_calls, monkeypatch)
+
+
+def test_a_changed_model_is_examined_again(native_model, forced_kernels, stack_calls, monkeypatch):
+    if not gemv_int8_cpu.fits(8, "cpu"):
+        pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
+    llm = LLM(native_model, dtype="float32", quantization="int8", max_num_seqs=2)
+    steps = _steps(llm.model.config.vocab_size)[:2]
+    _run(llm, steps)
+    assert stack_calls == [9, 1]
+    detach_few_row_kernels(llm.model)  # as exact mode does: the stack built on the kernels must not serve
+    after = _run(llm, steps)
+    assert stack_calls == [9, 1]  # int8 layers without their kernel are not served: the modules ran
+    with monkeypatch.context() as m:
+        m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_block_for", lambda *args: None)
+        _assert_bit_identical(after, _run(llm, steps))
+
+
+def test_exact_mode_autograd_hooks_and_other_batches_keep_the_modules(native_model, stack_calls):
+    llm = LLM(native_model, dtype="float32", max_num_seqs=2)
+    stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
+    assert stack is not None
+    x = torch.zeros(1, 1, llm.model.config.hidden_size)
+    assert native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=(0, 1), write_start=0))
+    assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=(0, 1), write_start=0, exact=True))
+    assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=None, write_start=0))
+    assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=(0, 2), write_start=None))
+    with torch.inference_mode():
+        assert stack.serves(x) and not stack.serves(x.bfloat16())
+    assert not stack.serves(x)  # autograd on
+    # A forward hook anywhere in the stack (exact/bisect.py records outputs through them) must run.
+    seen = []
+    handle = llm.model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append(out))
+    with torch.inference_mode():
+        assert not stack.serves(x)
+    llm.runner.forward(_steps(llm.model.config.vocab_size)[0])
+    assert len(seen) == 1 and stack_calls == [(1, 9)]  # the other block alone
+    handle.remove()
+    llm.runner.forward(_steps(llm.model.config.vocab_size)[0])
+    assert len(seen) == 1 and stack_calls == [(1, 9), 9]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3", "mtp", "eagle"])
+def test_decoding_is_unchanged_by_the_stack(native_model, native_drafter, trained_drafters, stack_calls, monkeypatch,
+                                           method):
+    # The target's stack, a draft model's, and the one block of EAGLE / EAGLE-3 / MTP drafters.
+    spec = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft_model":
+        spec["model"] = str(native_drafter)
+    elif method != "ngram":
+        spec["model"] = str(trained_drafters[method])
+    llm = LLM(native_model, dtype="float32", max_num_seqs=2, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["def f(x):\n    return", "class A:\n"]
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    ours += [o.token_ids for o in llm.generate(prompts[:1], params)]  # batch 1
+    assert stack_calls
+    if method not in ("ngram", "draft_model"):  # the drafter's own block ran in C++ too
+        assert (1, 1) in stack_calls
+    with monkeypatch.context() as m:
+        m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_block_for", lambda *args: None)
+        theirs = [o.token_ids for o in llm.generate(prompts, params)]
+        theirs += [o.token_ids for o in llm.generate(prompts[:1], params)]
+    assert ours == theirs
