@@ -10,8 +10,9 @@
 // row's result still does not depend on the rows beside it wherever the Python path's did not.
 //
 // It serves what models/native_stack.py checks: standard attention (GQA, optional q/k norm and
-// biases), a dense SwiGLU MLP, a batch whose sequences are contiguous cache rows writing the same
-// columns (decode, chain verification, prefill of one sequence), not exact mode.
+// biases), a dense SwiGLU MLP, dense or int8 linear layers, a batch whose sequences are contiguous
+// cache rows writing the same columns (decode, chain verification, prefill of one sequence), not
+// exact mode.
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -47,7 +48,8 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
 }  // namespace
 
 // One linear layer as its Python module computes it: an int8 QuantizedLinear with its few-row
-// kernel attached (the int8_linear op's arguments), or a dense nn.Linear / FusedLinear (at::linear).
+// kernel attached (the int8_linear op's arguments), or a dense weight: an nn.Linear, a FusedLinear, a
+// quantised layer's dequantised copy (at::linear).
 struct Linear {
   bool is_int8 = false;
   torch::Tensor weight;  // dense [N, K]; int8: the blocked weight

@@ -103,11 +103,14 @@ class NativeStack:
         def linear(owner: nn.Module, name: str):
             layer = watch.get(owner, name)
             if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
-                if layer.scheme.bits != 8 or watch.get(layer, "few_rows") is None:
-                    raise NotServed(f"{name}: not an int8 layer with its few-row kernel")
                 if watch.get(layer, "wide") is not None or watch.get(layer, "row_tiling") is not None:
                     raise NotServed(f"{name}: a wide copy or a row tiling")
-                return extension.int8_linear(*layer.few_rows_arguments(self.dtype, layer.qweight.device))
+                if watch.get(layer, "few_rows") is not None:
+                    return extension.int8_linear(*layer.few_rows_arguments(self.dtype, layer.qweight.device))
+                if layer.uses_dense_copy(self.dtype, layer.qweight.device):  # what its forward runs: F.linear
+                    bias = None if layer.bias is None else layer.bias.to(self.dtype)
+                    return extension.dense_linear(layer.dense_weight(self.dtype), bias)
+                raise NotServed(f"{name}: PyTorch's int kernels")
             if isinstance(layer, types.fused_linear) or type(layer) is nn.Linear:
                 if layer.weight.dtype != self.dtype:
                     raise NotServed(f"{name}: weight dtype {layer.weight.dtype}")

@@ -160,6 +160,11 @@ class QuantizedLinear(nn.Module):
         shape_ok = self.scheme.bits == 8 or self.out_features % 16 == 0
         return shape_ok and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
+    def uses_dense_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether, without its few-row kernel or a wide copy, the layer multiplies `dtype`
+        activations by its dequantised weight (`F.linear`), not by PyTorch's int kernels."""
+        return not self._uses_kernel(dtype, device)
+
     def _kernel_tensors(self, dtype: torch.dtype) -> tuple:
         key = (dtype, self.qweight.device)
         if key not in self._kernel_weights:
@@ -177,9 +182,10 @@ class QuantizedLinear(nn.Module):
         if self._uses_kernel(dtype, self.qweight.device):
             self._kernel_tensors(dtype)
         else:
-            self._dense_weight(dtype)
+            self.dense_weight(dtype)
 
-    def _dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[N, K] `dequantize()` in `dtype`, built once: what the dense path multiplies by."""
         key = (dtype, self.qweight.device)
         if key not in self._dense:
             self._dense[key] = self.dequantize().to(dtype)
@@ -201,7 +207,7 @@ class QuantizedLinear(nn.Module):
             return self.wide[0](x)  # a wide forward: the dense copy (bias included)
         if self.few_rows is not None and (self.wide is None or not compiling):
             return self._few_rows_matmul(x)
-        if self._uses_kernel(x.dtype, x.device):
+        if not self.uses_dense_copy(x.dtype, x.device):
             qweight, scales = self._kernel_tensors(x.dtype)
             group = 0 if self.scheme.bits == 8 else self.scheme.group_size
             wide, wide_from = (self.wide[0].packed, self.wide[1]) if self.wide is not None else (None, 0)
@@ -209,7 +215,7 @@ class QuantizedLinear(nn.Module):
             if compiling:  # one opaque op: the width choice is no shape guard of the graph
                 return quantized_linear(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
             return _quantized_matmul(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
-        return F.linear(x, self._dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, self.dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def _few_rows_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row int8 kernel up to its measured width, then the dense copy (float32 activations)
@@ -222,7 +228,7 @@ class QuantizedLinear(nn.Module):
         if self._uses_kernel(dtype, device):
             dense, (qweight, qscales) = None, self._kernel_tensors(dtype)
         else:
-            dense, qweight, qscales = self._dense_weight(dtype), None, None
+            dense, qweight, qscales = self.dense_weight(dtype), None, None
         bias = None if self.bias is None else self.bias.to(dtype)
         few, few_scales, few_bias, few_upto = self.few_rows
         return few, few_scales, few_bias, self.out_features, few_upto, dense, qweight, qscales, bias
