@@ -13,6 +13,10 @@
 // biases), a dense SwiGLU MLP, dense or int8 linear layers, a batch whose sequences are contiguous
 // cache rows writing the same columns (decode, chain verification, prefill of one sequence), not
 // exact mode.
+// RoPE's products and sum must round separately, as PyTorch's ops round them (the build passes
+// -ffp-contract=fast for the other kernels).
+#pragma GCC optimize("fp-contract=off")
+
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -96,10 +100,46 @@ struct Layer {
   int64_t num_heads, num_kv_heads, head_dim, intermediate;
 };
 
-// models/layers.py apply_rope: x [B, T, H, D] * cos + cat(-x2, x1) * sin (rotate-half), op for op.
-torch::Tensor apply_rope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  auto halves = x.chunk(2, -1);
-  return x * cos + at::cat({-halves[1], halves[0]}, -1) * sin;
+// models/layers.py apply_rope, y = x * cos + cat(-x2, x1) * sin (rotate-half), in one loop instead of
+// seven ops: each product and the sum rounded to the dtype as PyTorch's mul, mul and add round them
+// (float arithmetic, no FMA: fp-contract is off in this file). x, out [B, T, H, D] and cos, sin
+// [B, T, 1, D] with any strides but a contiguous last dimension; `out` may be a permuted view (the
+// GQA-folded query layout is written directly).
+template <typename scalar_t>
+void rope_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& out) {
+  const int64_t B = x.size(0), T = x.size(1), H = x.size(2), D = x.size(3), half = D / 2;
+  const auto xs = x.strides(), os = out.strides(), cs = cos.strides(), ss = sin.strides();
+  const scalar_t* xp = x.data_ptr<scalar_t>();
+  const scalar_t* cp = cos.data_ptr<scalar_t>();
+  const scalar_t* sp = sin.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const scalar_t* c = cp + b * cs[0] + t * cs[1];
+      const scalar_t* sn = sp + b * ss[0] + t * ss[1];
+      for (int64_t h = 0; h < H; ++h) {
+        const scalar_t* xr = xp + b * xs[0] + t * xs[1] + h * xs[2];
+        scalar_t* o = op + b * os[0] + t * os[1] + h * os[2];
+        for (int64_t d = 0; d < D; ++d) {
+          const float rotated = d < half ? -static_cast<float>(xr[d + half]) : static_cast<float>(xr[d - half]);
+          const scalar_t a = static_cast<scalar_t>(static_cast<float>(xr[d]) * static_cast<float>(c[d]));
+          const scalar_t r = static_cast<scalar_t>(rotated * static_cast<float>(sn[d]));
+          o[d] = static_cast<scalar_t>(static_cast<float>(a) + static_cast<float>(r));
+        }
+      }
+    }
+  }
+}
+
+// apply_rope(x, cos, sin) written into `out` (see rope_rows).
+void apply_rope_into(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                     const torch::Tensor& out) {
+  TORCH_CHECK(x.dim() == 4 && out.dim() == 4 && x.stride(3) == 1 && out.stride(3) == 1 && cos.stride(3) == 1 && sin.stride(3) == 1 &&
+                  x.size(3) % 2 == 0 && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "rope: x [B, T, H, D] with cos, sin [B, T, 1, D] of its dtype, last dimensions contiguous");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rope", [&] {
+    rope_rows<scalar_t>(x, cos, sin, out);
+  });
 }
 
 class Stack {
@@ -158,26 +198,30 @@ class Stack {
     auto k = qkv[1].view({B, T, KVH, D});
     const auto v = qkv[2].view({B, T, KVH, D});
     if (layer.k_norm.has_value()) k = rms_norm_op(k, *layer.k_norm, layer.eps);
-    k = apply_rope(k, cos, sin);
+    const auto k_roped = torch::empty({B, T, KVH, D}, x.options());
+    apply_rope_into(k, cos, sin, k_roped);
     if (layer.q_norm.has_value()) q = rms_norm_op(q, *layer.q_norm, layer.eps);
-    q = apply_rope(q, cos, sin);
     // Cache writes and reads as models/layers.py write_columns / read_columns (slices, no gather).
-    cache_k.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T).copy_(k);
+    cache_k.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T).copy_(k_roped);
     cache_v.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T).copy_(v);
     const auto keys = cache_k.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);  // [B, S, KVH, D]
     const auto values = cache_v.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);
     const int64_t group = H / KVH, S = num_keys;
     torch::Tensor attn;  // [B, T, H * D]
     if (group > 1) {
-      // GQA folded: the `group` query heads of one KV head become group x T queries of it.
-      const auto folded = q.view({B, T, KVH, group, D}).permute({0, 2, 3, 1, 4}).reshape({B, KVH, group * T, D});
+      // GQA folded: the `group` query heads of one KV head become group x T queries of it; the rotated
+      // query is written in that order directly (the modules rotate, then permute and copy).
+      const auto folded = torch::empty({B, KVH, group * T, D}, x.options());
+      apply_rope_into(q, cos, sin, folded.view({B, KVH, group, T, D}).permute({0, 3, 1, 2, 4}).view({B, T, H, D}));
       OptTensor folded_mask;
       if (mask.has_value()) folded_mask = mask->expand({B, group, T, S}).reshape({B, 1, group * T, S});
       const auto out = at::scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
                                                         folded_mask);  // [B, KVH, group * T, D]
       attn = out.view({B, KVH, group, T, D}).permute({0, 3, 1, 2, 4}).reshape({B, T, -1});
     } else {
-      const auto out = at::scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2),
+      const auto q_roped = torch::empty({B, T, H, D}, x.options());
+      apply_rope_into(q, cos, sin, q_roped);
+      const auto out = at::scaled_dot_product_attention(q_roped.transpose(1, 2), keys.transpose(1, 2),
                                                         values.transpose(1, 2), mask);  // [B, H, T, D]
       attn = out.transpose(1, 2).reshape({B, T, -1});
     }
