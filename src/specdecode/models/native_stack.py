@@ -1,4 +1,5 @@
-"""The target's layer stack as one C++ call (`kernels/decode_stack_cpu.cpp`) for eager CPU inference.
+"""A model's layer stack, or a drafter's one decoder block, as one C++ call
+(`kernels/decode_stack_cpu.cpp`) for eager CPU inference.
 
 Why: an eager decode token of the default model (float32 activations, int8 weights, 2-core AVX2
 EPYC) measured ~3.3 ms, of which its 25 matmuls take ~0.9 ms and attention ~0.2 ms; the rest is
@@ -6,14 +7,15 @@ Python around ~150 small ops. The C++ stack runs the same ops on the same kernel
 order, so its results are bit-identical to the modules' (tests/test_native_stack.py checks it).
 
 It serves a forward when every piece is one it reproduces: standard attention (not MLA / DSA),
-dense SwiGLU MLPs, linear layers that are dense (`nn.Linear`, `FusedLinear`) or int8
-`QuantizedLinear`s with their few-row kernel attached (no dense wide copy, no exact-mode row
-tiling), RMSNorm weights in the activations' dtype; and a batch of contiguous cache rows writing
-the same columns (decode and chain verification at batch 1, equal-length batches), outside exact
-mode, autograd and `torch.compile`. Anything else runs the Python modules, as before.
+dense SwiGLU MLPs, linear layers that are dense (`nn.Linear`, `FusedLinear`) or `QuantizedLinear`s
+on a path it reproduces (int8 with its few-row kernel attached, or the dequantised dense copy their
+forward multiplies float32 activations by; no wide copy, no exact-mode row tiling), RMSNorm weights
+in the activations' dtype; and a batch of contiguous cache rows writing the same columns (decode,
+chain and tree verification at batch 1, equal-length batches), outside exact mode, autograd,
+forward hooks and `torch.compile`. Anything else runs the Python modules, as before.
 
-The stack holds the layers' tensors; `current()` checks, per forward, that the modules still hold
-the same layers and kernels (exact mode detaches kernels, quantisation swaps layers), so a
+The stack holds the layers' tensors; `Watch.current()` checks, per forward, that the modules still
+hold the same layers and kernels (exact mode detaches kernels, quantisation swaps layers), so a
 changed model is rebuilt, never served stale.
 """
 
