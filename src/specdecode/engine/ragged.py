@@ -82,7 +82,8 @@ def _ragged(entries: list[ForwardEntry], scratch: int, sliding_window: int | Non
 
 def _one_chain(entry: ForwardEntry, device) -> tuple:
     """`build_attention` for one sequence whose tokens follow each other (batch-1 decode, chain
-    verify, prefill): the same tensors from 4-5 ops instead of ~20 (measured 87 -> ~20 us a step)."""
+    verify, prefill): the same tensors from 4-5 ops instead of ~20 (measured in one process: 105-120 us by the general
+    path, 20-35 us here, at 1 and 5 tokens)."""
     T, start = len(entry.token_ids), entry.start
     S = start + T
     positions = torch.arange(start, S)[None]  # [1, T], also the cache columns written

@@ -110,8 +110,7 @@ class NativeStack:
                 if watch.get(layer, "few_rows") is not None:
                     return extension.int8_linear(*layer.few_rows_arguments(self.dtype, layer.qweight.device))
                 if layer.uses_dense_copy(self.dtype, layer.qweight.device):  # what its forward runs: F.linear
-                    bias = None if layer.bias is None else layer.bias.to(self.dtype)
-                    return extension.dense_linear(layer.dense_weight(self.dtype), bias)
+                    return extension.dense_linear(layer.dense_weight(self.dtype), layer.bias_as(self.dtype))
                 raise NotServed(f"{name}: PyTorch's int kernels")
             if isinstance(layer, types.fused_linear) or type(layer) is nn.Linear:
                 if layer.weight.dtype != self.dtype:

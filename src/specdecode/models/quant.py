@@ -191,6 +191,10 @@ class QuantizedLinear(nn.Module):
             self._dense[key] = self.dequantize().to(dtype)
         return self._dense[key]
 
+    def bias_as(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The bias in `dtype` (None without one): what the dense path and PyTorch's int kernels add."""
+        return None if self.bias is None else self.bias.to(dtype)
+
     def forward(self, x: torch.Tensor):
         """x [..., K] -> [..., N] (or one view per split size)."""
         if self.row_tiling is not None and self.row_tiling.applies(x):
@@ -211,11 +215,11 @@ class QuantizedLinear(nn.Module):
             qweight, scales = self._kernel_tensors(x.dtype)
             group = 0 if self.scheme.bits == 8 else self.scheme.group_size
             wide, wide_from = (self.wide[0].packed, self.wide[1]) if self.wide is not None else (None, 0)
-            bias = None if self.bias is None else self.bias.to(x.dtype)
+            bias = self.bias_as(x.dtype)
             if compiling:  # one opaque op: the width choice is no shape guard of the graph
                 return quantized_linear(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
             return _quantized_matmul(x, qweight, scales, bias, self.out_features, group, wide, wide_from)
-        return F.linear(x, self.dense_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, self.dense_weight(x.dtype), self.bias_as(x.dtype))
 
     def _few_rows_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """The few-row int8 kernel up to its measured width, then the dense copy (float32 activations)
@@ -225,13 +229,12 @@ class QuantizedLinear(nn.Module):
     def few_rows_arguments(self, dtype: torch.dtype, device: torch.device) -> tuple:
         """What `int8_linear` takes after x for `dtype` activations (the few-row kernel attached):
         blocked weight, fp32 scales and bias, out features, its width, then the wider rows' weights."""
-        if self._uses_kernel(dtype, device):
-            dense, (qweight, qscales) = None, self._kernel_tensors(dtype)
-        else:
+        if self.uses_dense_copy(dtype, device):
             dense, qweight, qscales = self.dense_weight(dtype), None, None
-        bias = None if self.bias is None else self.bias.to(dtype)
+        else:
+            dense, (qweight, qscales) = None, self._kernel_tensors(dtype)
         few, few_scales, few_bias, few_upto = self.few_rows
-        return few, few_scales, few_bias, self.out_features, few_upto, dense, qweight, qscales, bias
+        return few, few_scales, few_bias, self.out_features, few_upto, dense, qweight, qscales, self.bias_as(dtype)
 
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
         """Output rows [start, stop) as a layer of their own, sharing this one's storage."""
