@@ -27,7 +27,7 @@ def _kernel_tensors(layer: QuantizedLinear) -> tuple:
             None if layer.bias is None else layer.bias.float().contiguous())
 
 
-@pytest.mark.parametrize("n,k", [(8, 8), (37, 64), (1024, 512), (13, 1408)])
+@pytest.mark.parametrize("n,k", [(8, 8), (37, 64), (1024, 512), (13, 1408), (70, 36)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_the_kernel_computes_the_int8_matmul(n, k, bias, dtype):
@@ -127,15 +127,16 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
                                 _layer(64, 32).rows(0, 16))
     for m in model:
         m.prepare(torch.bfloat16)
-    assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2}
+    shapes = {"32x64": 2, "64x32": 2, "36x8": 2}
+    assert attach_few_row_kernels(model, torch.bfloat16) == shapes
     widths = FEW_ROWS_PROBE["int8"]
-    assert probes == [(32, widths), (64, widths)]  # one probe per shape; 36 inputs: no multiple of 8
-    assert [m.few_rows and m.few_rows[-1] for m in model] == [2, 2, 2, None, None]  # views keep the fused layer's
+    assert probes == [(32, widths), (64, widths), (36, widths)]  # one probe per shape (any input size)
+    assert [m.few_rows and m.few_rows[-1] for m in model] == [2, 2, 2, 2, None]  # views keep the fused layer's
     x = torch.randn(1, 32).bfloat16()
     assert torch.equal(model[1](x), gemv_int8_cpu.few_rows_linear(x, *model[1].few_rows[:3], 64))
     detach_few_row_kernels(model)
     assert all(m.few_rows is None for m in model)
-    assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 2, "64x32": 2} and len(probes) == 2  # cached
+    assert attach_few_row_kernels(model, torch.bfloat16) == shapes and len(probes) == 3  # cached
 
     monkeypatch.setattr(kernel_probe, "faster_by_width", lambda *a: [False] * len(widths))
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "other"))

@@ -38,6 +38,21 @@ def cpu_flags() -> set[str]:
     return set(line.split(":", 1)[1].split()) if ":" in line else set()
 
 
+def _compile_flags() -> list[str]:
+    # -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU builds, and serial without it.
+    flags = ["-O3", "-ffp-contract=fast", "-fopenmp"]
+    if platform.machine() in ("x86_64", "AMD64"):
+        flags += ["-march=native", "-mprefer-vector-width=512"]
+    return flags
+
+
+@functools.cache
+def source_digest(source: Path) -> str:
+    """A kernel build's identity: its source and compiler flags (a changed kernel builds anew, and
+    what was measured of the old one is measured again)."""
+    return hashlib.sha256(source.read_bytes() + " ".join(_compile_flags()).encode()).hexdigest()[:10]
+
+
 @functools.cache
 def load_extension(name: str, source: Path):
     """Compile (or load the cached build of) one C++ source as a Python module; raises what the
@@ -48,11 +63,8 @@ def load_extension(name: str, source: Path):
 
     if shutil.which("ninja") is None:  # the ninja wheel's script sits beside this interpreter (a venv not activated)
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    # -fopenmp: at::parallel_for is OpenMP in PyTorch's CPU builds, and serial without it.
-    flags = ["-O3", "-ffp-contract=fast", "-fopenmp"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        flags += ["-march=native", "-mprefer-vector-width=512"]
-    source_hash = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:10]
+    flags = _compile_flags()
+    source_hash = source_digest(source)
     build_dir = cache_root() / "extensions" / f"{name}_{source_hash}_{cpu_fingerprint()}"
     build_dir.mkdir(parents=True, exist_ok=True)
     return load(name=f"specdecode_{name}_{source_hash}", sources=[str(source)], extra_cflags=flags,

@@ -1,6 +1,6 @@
 """Few-row int8 weight-only matmuls for decoding on an AVX2 CPU (gemv_int8_cpu.cpp): int8 weights in a
-blocked layout, widened to fp32 in registers and streamed once per group of 4 rows, for the 1-16
-rows of a decode, drafting or verification step.
+layout of 64-output groups, widened to fp32 in registers and streamed once per tile of up to 6 rows,
+for the 1-16 rows of a decode, drafting or verification step.
 
 Served by int8 `QuantizedLinear` layers (models/inference.py `attach_few_row_kernels`) up to the
 width measured per layer shape where the CPU has AVX2 and FMA and the build succeeds; anything else
@@ -19,7 +19,7 @@ import torch
 from specdecode.kernels import build
 
 SOURCE = Path(__file__).with_name("gemv_int8_cpu.cpp")
-BLOCK_K = 8  # the input size must be a multiple of this
+GROUP = 64  # output channels per group of the layout
 REQUIRED_FLAGS = {"avx2", "fma"}
 
 
@@ -48,12 +48,13 @@ def _register_fake_kernels() -> None:
 
 def fits(in_features: int, device) -> bool:
     """Whether an int8 layer of this input size can use the kernel here."""
-    return torch.device(device).type == "cpu" and in_features % BLOCK_K == 0 and _extension() is not None
+    return torch.device(device).type == "cpu" and in_features > 0 and _extension() is not None
 
 
 def block_weight(qweight: torch.Tensor) -> torch.Tensor:
-    """qweight [N, K] int8 -> [ceil(N/8), K/8, 8, 8], the layout the kernel reads."""
-    return build.block_weight(qweight, 8, 8)
+    """qweight [N, K] int8 -> [ceil(N/64), K, 64], the layout the kernel reads (input k of a group's
+    64 outputs contiguous)."""
+    return build.block_weight(qweight, GROUP, 1).squeeze(-1)
 
 
 def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,

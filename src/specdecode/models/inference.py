@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specdecode.kernels import gemv_cpu, gemv_int8_cpu
+from specdecode.kernels import build, gemv_cpu, gemv_int8_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
 
 log = logging.getLogger(__name__)
@@ -151,6 +151,7 @@ class _FewRowKind:
     """How one few-row kernel serves one kind of layer (`layer.few_rows` holds what it needs)."""
 
     name: str
+    source: Path  # the kernel's C++ source (its digest keys the cached width choices)
     serves: Callable[[nn.Module, torch.dtype], bool]  # layers of this kind it can serve at dtype
     prepare: Callable[[nn.Module], tuple]  # layer -> its kernel tensors (everything but the width)
     call: Callable[[torch.Tensor, tuple, nn.Module], torch.Tensor]  # x [M, K] rows, those tensors, layer -> y
@@ -165,11 +166,11 @@ def _int8_few_rows(x: torch.Tensor, tensors: tuple, layer: QuantizedLinear) -> t
 
 
 FEW_ROW_KINDS = (
-    _FewRowKind("bf16", lambda m, dtype: (isinstance(m, PackedLinear) and m.dtype == dtype
+    _FewRowKind("bf16", gemv_cpu.SOURCE, lambda m, dtype: (isinstance(m, PackedLinear) and m.dtype == dtype
                                           and gemv_cpu.fits(m.in_features, dtype, m.packed.device)),
                 lambda m: (gemv_cpu.block_weight(m.dense_weight()),), _bf16_few_rows),
     # bf16/fp16 activations (against PyTorch's int kernel) and float32 ones (against the dense copy).
-    _FewRowKind("int8", lambda m, dtype: (isinstance(m, QuantizedLinear) and m.scheme.bits == 8 and not m.is_view
+    _FewRowKind("int8", gemv_int8_cpu.SOURCE, lambda m, dtype: (isinstance(m, QuantizedLinear) and m.scheme.bits == 8 and not m.is_view
                                           and dtype in (torch.bfloat16, torch.float16, torch.float32)
                                           and gemv_int8_cpu.fits(m.in_features, m.qweight.device)),
                 lambda m: (gemv_int8_cpu.block_weight(m.qweight), m.scales.float().contiguous(),
@@ -189,8 +190,10 @@ def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, i
         by_shape: dict[str, list[nn.Module]] = {}
         for layer in module.modules():
             if getattr(layer, "few_rows", 0) is None and kind.serves(layer, dtype):
-                # The probed widths are part of the key: a choice made over other widths is not this one.
-                key = f"{layer.in_features}x{layer.out_features}-{kind.name}-few-rows{max(widths)}-{dtype}"
+                # The kernel's build and the probed widths are part of the key: a choice made for
+                # another build or over other widths is not this one.
+                key = (f"{layer.in_features}x{layer.out_features}-{kind.name}-{build.source_digest(kind.source)}"
+                       f"-few-rows{max(widths)}-{dtype}")
                 by_shape.setdefault(key, []).append(layer)
         for key, group in by_shape.items():
             if key in cached and cached[key] is None:
