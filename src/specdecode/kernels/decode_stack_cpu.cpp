@@ -49,6 +49,17 @@ at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps
   return op.call(x, weight, eps);
 }
 
+// specdecode_attn::cached_attention (attention_cpu.cpp), the cached attention models/llama.py calls
+// where that op is built.
+at::Tensor cached_attention_op(const at::Tensor& q, const at::Tensor& keys, const at::Tensor& values,
+                               const OptTensor& mask, int64_t group) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specdecode_attn::cached_attention", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                         int64_t)>();
+  return op.call(q, keys, values, mask, group);
+}
+
 }  // namespace
 
 // One linear layer as its Python module computes it: an int8 QuantizedLinear with its few-row
@@ -144,8 +155,11 @@ void apply_rope_into(const torch::Tensor& x, const torch::Tensor& cos, const tor
 
 class Stack {
  public:
-  Stack(std::vector<Layer> layers, OptTensor final_norm, double eps)
-      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps) {}
+  // cached_attention: attention by specdecode_attn::cached_attention (as the modules where it is built),
+  // else PyTorch's scaled_dot_product_attention.
+  Stack(std::vector<Layer> layers, OptTensor final_norm, double eps, bool cached_attention)
+      : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps),
+        cached_attention_(cached_attention) {}
 
   // The cache this stack writes: per layer K and V [slots, max_len + 1, kv_heads, head_dim].
   void bind_cache(std::vector<torch::Tensor> k, std::vector<torch::Tensor> v) {
@@ -177,7 +191,8 @@ class Stack {
     for (int64_t i = 0; i < L; ++i) {
       tap(i);
       const auto h = i == 0 && attn_input.has_value() ? *attn_input : rms_norm_op(x, layers_[i].input_norm, layers_[i].eps);
-      x = layer_forward(layers_[i], x, h, cos, sin, k_[i], v_[i], slot_begin, slot_end, write_start, num_keys, mask);
+      x = layer_forward(layers_[i], x, h, cos, sin, k_[i], v_[i], slot_begin, slot_end, write_start, num_keys, mask,
+                        cached_attention_);
     }
     tap(L);
     return {final_norm_.has_value() ? rms_norm_op(x, *final_norm_, eps_) : x, tapped};
@@ -190,7 +205,8 @@ class Stack {
                                      const torch::Tensor& cos,
                                      const torch::Tensor& sin, const torch::Tensor& cache_k,
                                      const torch::Tensor& cache_v, int64_t slot_begin, int64_t slot_end,
-                                     int64_t write_start, int64_t num_keys, const OptTensor& mask) {
+                                     int64_t write_start, int64_t num_keys, const OptTensor& mask,
+                                     bool cached_attention) {
     const int64_t B = x.size(0), T = x.size(1);
     const int64_t H = layer.num_heads, KVH = layer.num_kv_heads, D = layer.head_dim;
     const auto qkv = layer.qkv(h).split_with_sizes({H * D, KVH * D, KVH * D}, -1);  // [B, T, *] views
@@ -208,15 +224,19 @@ class Stack {
     const auto values = cache_v.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);
     const int64_t group = H / KVH, S = num_keys;
     torch::Tensor attn;  // [B, T, H * D]
-    if (group > 1) {
+    if (group > 1 || cached_attention) {
       // GQA folded: the `group` query heads of one KV head become group x T queries of it; the rotated
       // query is written in that order directly (the modules rotate, then permute and copy).
       const auto folded = torch::empty({B, KVH, group * T, D}, x.options());
       apply_rope_into(q, cos, sin, folded.view({B, KVH, group, T, D}).permute({0, 3, 1, 2, 4}).view({B, T, H, D}));
-      OptTensor folded_mask;
-      if (mask.has_value()) folded_mask = mask->expand({B, group, T, S}).reshape({B, 1, group * T, S});
-      const auto out = at::scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2),
-                                                        folded_mask);  // [B, KVH, group * T, D]
+      torch::Tensor out;  // [B, KVH, group * T, D]
+      if (cached_attention) {
+        out = cached_attention_op(folded, keys, values, mask, group);
+      } else {
+        OptTensor folded_mask;
+        if (mask.has_value()) folded_mask = mask->expand({B, group, T, S}).reshape({B, 1, group * T, S});
+        out = at::scaled_dot_product_attention(folded, keys.transpose(1, 2), values.transpose(1, 2), folded_mask);
+      }
       attn = out.view({B, KVH, group, T, D}).permute({0, 3, 1, 2, 4}).reshape({B, T, -1});
     } else {
       const auto q_roped = torch::empty({B, T, H, D}, x.options());
@@ -234,6 +254,7 @@ class Stack {
   std::vector<Layer> layers_;
   OptTensor final_norm_;
   double eps_;
+  bool cached_attention_;
   std::vector<torch::Tensor> k_, v_;
 };
 
@@ -251,7 +272,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      num_kv_heads, head_dim, intermediate};
       }));
   py::class_<Stack>(m, "Stack")
-      .def(py::init<std::vector<Layer>, OptTensor, double>())
+      .def(py::init<std::vector<Layer>, OptTensor, double, bool>())
       .def("bind_cache", &Stack::bind_cache)
       .def("forward", &Stack::forward);
 }

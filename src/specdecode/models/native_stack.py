@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from specdecode.kernels import decode_stack_cpu
+from specdecode.kernels import attention_cpu, decode_stack_cpu
 from specdecode.models.layers import MLP, AttentionBatch, RMSNorm
 
 if TYPE_CHECKING:
@@ -136,7 +136,10 @@ class NativeStack:
             self._hooks += [d for m in block.modules() for d in (m._forward_pre_hooks, m._forward_hooks)]
         if final_norm is not None:
             self._hooks += [final_norm._forward_pre_hooks, final_norm._forward_hooks]
-        self._stack = extension.Stack(layers, norm_weight(final_norm), 0.0 if final_norm is None else final_norm.eps)
+        # The modules' cached attention takes the attention op in every forward the stack serves
+        # (eager, no autograd, CPU) where it is built: so does the stack.
+        self._stack = extension.Stack(layers, norm_weight(final_norm), 0.0 if final_norm is None else final_norm.eps,
+                                      attention_cpu.available())
         self._k: list[torch.Tensor] = []  # the caches bound to the C++ stack
         self._v: list[torch.Tensor] = []
 

@@ -1,0 +1,99 @@
+"""The cached-attention op (kernels/attention_cpu.cpp) that decode, drafting and verification forwards take on a CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdecode.kernels import attention_cpu
+
+pytestmark = pytest.mark.skipif(not attention_cpu.available(),
+                                reason="the attention op needs AVX2, FMA and a C++ compiler")
+
+
+def _inputs(B, KVH, group, T, S, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cache_k = torch.randn(B + 2, S + 9, KVH, D, generator=g).to(dtype)  # [slots, columns, KVH, D]
+    cache_v = torch.randn(B + 2, S + 9, KVH, D, generator=g).to(dtype)
+    keys, values = cache_k[1:1 + B, :S], cache_v[1:1 + B, :S]  # strided views, as the cache is read
+    q = torch.randn(B, KVH, group * T, D, generator=g).to(dtype)
+    mask = torch.tril(torch.ones(T, S, dtype=torch.bool), diagonal=S - T)[None, None].repeat(B, 1, 1, 1)
+    if S > T:
+        mask[-1, 0, :, 0] = False  # a hidden column that is not past the causal edge
+    return q, keys, values, mask
+
+
+def _reference(q, keys, values, mask, group):  # float64 SDPA, the mask expanded to the rows
+    B, KVH, R, D = q.shape
+    rows = None if mask is None else mask.expand(B, group, R // group, keys.shape[1]).reshape(B, 1, R, -1)
+    return F.scaled_dot_product_attention(q.double(), keys.transpose(1, 2).double(), values.transpose(1, 2).double(),
+                                          attn_mask=rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("B,KVH,group,T,S", [(1, 4, 2, 1, 250), (2, 4, 2, 5, 37), (1, 8, 1, 3, 9), (3, 2, 4, 1, 1)])
+def test_the_op_computes_attention(dtype, D, B, KVH, group, T, S):
+    q, keys, values, mask = _inputs(B, KVH, group, T, S, D, dtype)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for m in (None, mask):
+        out = attention_cpu.cached_attention(q, keys, values, m, group)
+        assert out.shape == q.shape and out.dtype == dtype
+        torch.testing.assert_close(out.double(), _reference(q, keys, values, m, group), rtol=tol, atol=tol)
+    other = attention_cpu.cached_attention(q, *_inputs(B, KVH, group, T, S, D, dtype, seed=1)[1:3], mask, group)
+    if S > 1:
+        assert not torch.allclose(other.double(), _reference(q, keys, values, mask, group), atol=1e-2)  # can fail
+
+
+def test_a_tokens_rows_do_not_depend_on_the_other_tokens():
+    q, keys, values, mask = _inputs(1, 4, 2, 6, 300, 64, torch.float32)  # 12 rows per KV head: all served here
+    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 6, 64)
+    for t in range(6):  # token t alone, with its mask row and the same keys
+        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 6, 64)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
+        assert torch.equal(alone, out[:, :, :, t]), t
+
+
+def test_prefill_widths_take_pytorchs_kernel():
+    q, keys, values, mask = _inputs(1, 4, 2, 20, 40, 64, torch.float32)  # 40 rows per KV head
+    rows = mask.expand(1, 2, 20, 40).reshape(1, 1, 40, 40)
+    pytorch = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=rows)
+    assert torch.equal(attention_cpu.cached_attention(q, keys, values, mask, 2), pytorch)
+
+
+def test_the_op_can_be_turned_off(monkeypatch):
+    monkeypatch.setenv("SPECDECODE_ATTENTION_KERNEL", "0")
+    attention_cpu.available.cache_clear()
+    try:
+        assert not attention_cpu.available() and not attention_cpu.serves(torch.zeros(1))
+    finally:
+        attention_cpu.available.cache_clear()  # decided again (switch restored) by the next caller
+
+
+def test_eager_inference_takes_the_op_and_autograd_keeps_pytorchs(monkeypatch):
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.llama import Attention, KVCache
+    from specdecode.models.layers import AttentionBatch, RotaryEmbedding
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64)
+    torch.manual_seed(0)
+    attn = Attention(cfg)
+    cos, sin = RotaryEmbedding(cfg)(torch.arange(3)[None], torch.float32)
+    x = torch.randn(1, 3, 64)
+    calls = []
+    real = attention_cpu.cached_attention
+    monkeypatch.setattr(attention_cpu, "cached_attention", lambda *a: calls.append(a) or real(*a))
+
+    def forward():
+        cache = KVCache(cfg, 1, 8, torch.float32, "cpu")
+        batch = AttentionBatch(attn_mask=torch.tril(torch.ones(3, 3, dtype=torch.bool))[None, None],
+                               slot_ids=torch.tensor([0]), num_keys=3, slot_range=(0, 1), write_start=0)
+        return attn(x, cos, sin, batch, cache.k[0], cache.v[0])
+
+    with torch.inference_mode():
+        served = forward()
+    assert len(calls) == 1
+    trained = forward()  # autograd on (the weights need gradients): PyTorch's kernel
+    assert len(calls) == 1 and trained.requires_grad
+    torch.testing.assert_close(served, trained.detach(), rtol=1e-5, atol=1e-6)
