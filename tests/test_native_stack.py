@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="th
 
 @pytest.fixture
 def forced_kernels(monkeypatch):
-    """Every int8 shape takes the few-row kernel up to its widest probe, whatever this machine measures."""
+    """Every int8 / int4 shape takes its few-row kernel up to its widest probe, whatever this machine measures."""
     monkeypatch.setattr(kernel_probe, "faster_by_width", lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
     monkeypatch.setattr(kernel_probe, "load_choices", dict)
     monkeypatch.setattr(kernel_probe, "save_choices", lambda cached: None)
@@ -83,7 +83,7 @@ def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
                                                 ("bfloat16", None), ("float32", "int4")])
 def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, stack_calls, monkeypatch, dtype,
                                                   quantization):
-    # float32 + int4: the layers' dequantised copies (as their forwards run them)
+    # float32 + int4: the int4 few-row kernel up to its width, the layers' dequantised copies past it
     if quantization == "int8" and not gemv_int8_cpu.fits(8, "cpu"):
         pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
     _compare(LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2), stack_calls, monkeypatch)

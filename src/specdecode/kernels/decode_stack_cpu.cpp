@@ -4,13 +4,13 @@
 // 3.3 ms on a 2-core AVX2 EPYC, of which the 25 matmuls take ~0.9 ms and attention ~0.2 ms: the
 // rest is Python around ~150 small ops a forward (module calls, views, splits, RoPE, cache writes).
 // llama.cpp's whole token is ~1.2 ms there. This file runs the same ops, in the same order, on the
-// same kernels, from C++: every aten op, the int8 few-row op (specdecode_int8::int8_linear) and the
+// same kernels, from C++: every aten op, the few-row ops (specdecode_int8::int8_linear, int4_linear) and the
 // RMSNorm kernel (specdecode_norm::rms_norm) are called through PyTorch's dispatcher exactly as the
 // Python modules call them, so the results are bit-identical to models/llama.py's forward, and a
 // row's result still does not depend on the rows beside it wherever the Python path's did not.
 //
 // It serves what models/native_stack.py checks: standard attention (GQA, optional q/k norm and
-// biases), a dense SwiGLU MLP, dense or int8 linear layers, a batch whose sequences are contiguous
+// biases), a dense SwiGLU MLP, dense, int8 or int4 linear layers, a batch whose sequences are contiguous
 // cache rows writing the same columns (decode, chain verification, prefill of one sequence), not
 // exact mode.
 // RoPE's products and sum must round separately, as PyTorch's ops round them (the build passes
@@ -41,6 +41,18 @@ at::Tensor int8_linear_op(const at::Tensor& x, const at::Tensor& blocked, const 
   return op.call(x, blocked, few_scales, few_bias, N, few_upto, dense, qweight, qscales, bias);
 }
 
+// specdecode_int4::int4_linear (gemv_int4_cpu.cpp), the same for int4 layers (its extension loaded first).
+at::Tensor int4_linear_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_offsets,
+                          const OptTensor& few_bias, int64_t N, int64_t group, int64_t few_upto, const OptTensor& dense,
+                          const OptTensor& qweight, const OptTensor& qscales, const OptTensor& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specdecode_int4::int4_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                                         int64_t, int64_t, int64_t, const OptTensor&, const OptTensor&,
+                                         const OptTensor&, const OptTensor&)>();
+  return op.call(x, packed, scale_offsets, few_bias, N, group, few_upto, dense, qweight, qscales, bias);
+}
+
 // specdecode_norm::rms_norm (rms_norm_cpu.cpp), the kernel models/layers.py RMSNorm calls.
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
   static auto op = c10::Dispatcher::singleton()
@@ -63,19 +75,24 @@ at::Tensor cached_attention_op(const at::Tensor& q, const at::Tensor& keys, cons
 }  // namespace
 
 // One linear layer as its Python module computes it: an int8 QuantizedLinear with its few-row
-// kernel attached (the int8_linear op's arguments), or a dense weight: an nn.Linear, a FusedLinear, a
-// quantised layer's dequantised copy (at::linear).
+// kernel attached (the int8_linear op's arguments), an int4 QuantizedLinear with its few-row kernel
+// attached (int4_linear's), or a dense weight: an nn.Linear, a FusedLinear, a quantised layer's
+// dequantised copy (at::linear).
 struct Linear {
-  bool is_int8 = false;
-  torch::Tensor weight;  // dense [N, K]; int8: the blocked weight
-  OptTensor bias;        // dense: the bias; int8: the bias in the activations' dtype (fallback paths)
-  torch::Tensor few_scales;
+  int bits = 0;          // 0: dense; 8 or 4: the few-row op of that width
+  torch::Tensor weight;  // dense [N, K]; int8 / int4: the few-row kernel's weight layout
+  OptTensor bias;        // dense: the bias; int8 / int4: the bias in the activations' dtype (fallback paths)
+  torch::Tensor few_scales;  // int8: scales; int4: scales and offsets
   OptTensor few_bias, dense, qweight, qscales;
-  int64_t out_features = 0, few_upto = 0;
+  int64_t out_features = 0, few_upto = 0, group = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (!is_int8) return at::linear(x, weight, bias);
-    return int8_linear_op(x, weight, few_scales, few_bias, out_features, few_upto, dense, qweight, qscales, bias);
+    if (bits == 8)
+      return int8_linear_op(x, weight, few_scales, few_bias, out_features, few_upto, dense, qweight, qscales, bias);
+    if (bits == 4)
+      return int4_linear_op(x, weight, few_scales, few_bias, out_features, group, few_upto, dense, qweight, qscales,
+                            bias);
+    return at::linear(x, weight, bias);
   }
 };
 
@@ -87,20 +104,35 @@ Linear dense_linear(torch::Tensor weight, OptTensor bias) {
   return l;
 }
 
-Linear int8_linear(torch::Tensor blocked, torch::Tensor few_scales, OptTensor few_bias, int64_t out_features,
-                   int64_t few_upto, OptTensor dense, OptTensor qweight, OptTensor qscales, OptTensor bias) {
+Linear few_rows_linear(int bits, torch::Tensor weight, torch::Tensor few_scales, OptTensor few_bias,
+                       int64_t out_features, int64_t group, int64_t few_upto, OptTensor dense, OptTensor qweight,
+                       OptTensor qscales, OptTensor bias) {
   Linear l;
-  l.is_int8 = true;
-  l.weight = std::move(blocked);
+  l.bits = bits;
+  l.weight = std::move(weight);
   l.few_scales = std::move(few_scales);
   l.few_bias = std::move(few_bias);
   l.out_features = out_features;
+  l.group = group;
   l.few_upto = few_upto;
   l.dense = std::move(dense);
   l.qweight = std::move(qweight);
   l.qscales = std::move(qscales);
   l.bias = std::move(bias);
   return l;
+}
+
+Linear int8_linear(torch::Tensor blocked, torch::Tensor few_scales, OptTensor few_bias, int64_t out_features,
+                   int64_t few_upto, OptTensor dense, OptTensor qweight, OptTensor qscales, OptTensor bias) {
+  return few_rows_linear(8, std::move(blocked), std::move(few_scales), std::move(few_bias), out_features, 0, few_upto,
+                         std::move(dense), std::move(qweight), std::move(qscales), std::move(bias));
+}
+
+Linear int4_linear(torch::Tensor packed, torch::Tensor scale_offsets, OptTensor few_bias, int64_t out_features,
+                   int64_t group, int64_t few_upto, OptTensor dense, OptTensor qweight, OptTensor qscales,
+                   OptTensor bias) {
+  return few_rows_linear(4, std::move(packed), std::move(scale_offsets), std::move(few_bias), out_features, group,
+                         few_upto, std::move(dense), std::move(qweight), std::move(qscales), std::move(bias));
 }
 
 struct Layer {
@@ -263,6 +295,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_linear", &dense_linear, "a dense layer: at::linear(x, weight, bias)", py::arg("weight"),
         py::arg("bias"));
   m.def("int8_linear", &int8_linear, "an int8 layer: specdecode_int8::int8_linear with these arguments");
+  m.def("int4_linear", &int4_linear, "an int4 layer: specdecode_int4::int4_linear with these arguments");
   py::class_<Layer>(m, "Layer")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, OptTensor q_norm, OptTensor k_norm,
                        double eps, Linear qkv, Linear o_proj, Linear gate_up, Linear down, int64_t num_heads,

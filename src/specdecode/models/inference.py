@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specdecode.kernels import build, gemv_cpu, gemv_int8_cpu
+from specdecode.kernels import build, gemv_cpu, gemv_int4_cpu, gemv_int8_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ def pack_linears(module: nn.Module) -> nn.Module:
 # 1 / 2 / 4 rows against 3.13 / 4.00 / 5.07; Zen 4: 0.68 / 1.34 / 1.88 / 3.89 / 7.29 ms at
 # 1 / 2 / 4 / 8 / 16 rows against 1.07 / 1.63 / 2.33 / 4.19 / 8.21), so verification widths are
 # probed too.
-FEW_ROWS_PROBE = {"bf16": (1, 2), "int8": (1, 2, 4, 8, 16)}
+FEW_ROWS_PROBE = {"bf16": (1, 2), "int8": (1, 2, 4, 8, 16), "int4": (1, 2, 4, 8, 16)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -165,6 +165,15 @@ def _int8_few_rows(x: torch.Tensor, tensors: tuple, layer: QuantizedLinear) -> t
     return gemv_int8_cpu.few_rows_linear(x, *tensors, layer.out_features)
 
 
+def _int4_few_rows(x: torch.Tensor, tensors: tuple, layer: QuantizedLinear) -> torch.Tensor:
+    return gemv_int4_cpu.few_rows_linear(x, *tensors, layer.out_features, layer.scheme.group_size)
+
+
+def _int4_tensors(layer: QuantizedLinear) -> tuple:
+    packed, scale_offsets = gemv_int4_cpu.pack(layer.unpacked_int4(), layer.scales, layer.zeros)
+    return packed, scale_offsets, None if layer.bias is None else layer.bias.float().contiguous()
+
+
 FEW_ROW_KINDS = (
     _FewRowKind("bf16", gemv_cpu.SOURCE, lambda m, dtype: (isinstance(m, PackedLinear) and m.dtype == dtype
                                           and gemv_cpu.fits(m.in_features, dtype, m.packed.device)),
@@ -175,6 +184,12 @@ FEW_ROW_KINDS = (
                                           and gemv_int8_cpu.fits(m.in_features, m.qweight.device)),
                 lambda m: (gemv_int8_cpu.block_weight(m.qweight), m.scales.float().contiguous(),
                            None if m.bias is None else m.bias.float().contiguous()), _int8_few_rows),
+    # int4 layers: against PyTorch's int4 kernel (bf16/fp16) or the dense copy (float32).
+    _FewRowKind("int4", gemv_int4_cpu.SOURCE, lambda m, dtype: (
+        isinstance(m, QuantizedLinear) and m.scheme.bits == 4 and not m.is_view
+        and dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and gemv_int4_cpu.fits(m.in_features, m.scheme.group_size, m.qweight.device)),
+        _int4_tensors, _int4_few_rows),
 )
 
 

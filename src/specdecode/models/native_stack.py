@@ -107,8 +107,9 @@ class NativeStack:
             if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
                 if watch.get(layer, "wide") is not None or watch.get(layer, "row_tiling") is not None:
                     raise NotServed(f"{name}: a wide copy or a row tiling")
-                if watch.get(layer, "few_rows") is not None:
-                    return extension.int8_linear(*layer.few_rows_arguments(self.dtype, layer.qweight.device))
+                if watch.get(layer, "few_rows") is not None:  # the few-row op of its width (int8 or int4)
+                    few_rows = extension.int8_linear if watch.get(layer, "scheme").bits == 8 else extension.int4_linear
+                    return few_rows(*layer.few_rows_arguments(self.dtype, layer.qweight.device))
                 if layer.uses_dense_copy(self.dtype, layer.qweight.device):  # what its forward runs: F.linear
                     return extension.dense_linear(layer.dense_weight(self.dtype), layer.bias_as(self.dtype))
                 raise NotServed(f"{name}: PyTorch's int kernels")

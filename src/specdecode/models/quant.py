@@ -18,12 +18,14 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
   Zen 3) `_weight_int8pack_mm` is compute-bound at decode widths, so int8 layers take
   specdecode's own few-row kernel there (kernels/gemv_int8_cpu.cpp) up to a measured width,
   eager and compiled: the layer's whole matmul (kernel, or past its width the fallback) is one
-  C++ dispatcher op, `specdecode_int8::int8_linear`.
+  C++ dispatcher op, `specdecode_int8::int8_linear`; int4 layers likewise take
+  kernels/gemv_int4_cpu.cpp (`specdecode_int4::int4_linear`) where it measures faster.
 - float32 (the tests' precision), and devices without those kernels (CUDA is not wired yet):
   a dense matmul with the dequantised weight, built once on first use (so it holds a dense
   copy too). Correct everywhere; fast only where dense is. On AVX2 int8 layers serve float32
   activations at 1-16 rows from the few-row kernel too (it converts the activation row, not
-  the weight): float32 + int8 decoding measured 3.4x the dense copy's speed here.
+  the weight): float32 + int8 decoding measured 3.4x the dense copy's speed here; int4 layers
+  (QAT int4 drafters next to a float32 target) take the int4 few-row kernel the same way.
 A layer whose input width is no multiple of the int4 group size stays in the model's dtype.
 """
 
@@ -39,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.kernels import gemv_int8_cpu
+from specdecode.kernels import gemv_int4_cpu, gemv_int8_cpu
 
 log = logging.getLogger(__name__)
 
@@ -127,8 +129,8 @@ class QuantizedLinear(nn.Module):
         # Verification widths (models/wide_kernels.py): (the dequantised weight packed densely, the
         # rows from which it runs instead of the int kernel); a tuple, so it is not a submodule.
         self.wide: tuple[nn.Module, int] | None = None
-        # Decode widths of int8 layers (models/inference.py attach_few_row_kernels): (the weight in the
-        # few-row kernel's blocked layout, fp32 scales [N], fp32 bias [N] | None, the most rows it serves).
+        # Decode widths (models/inference.py attach_few_row_kernels): (the weight in the few-row kernel's
+        # layout, fp32 scales [N] (int4: scales and offsets), fp32 bias [N] | None, the most rows it serves).
         self.few_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None = None
 
     @classmethod
@@ -209,7 +211,10 @@ class QuantizedLinear(nn.Module):
         compiling = torch.compiler.is_compiling()
         if self.wide is not None and not compiling and x.numel() >= self.wide[1] * self.in_features:
             return self.wide[0](x)  # a wide forward: the dense copy (bias included)
-        if self.few_rows is not None and (self.wide is None or not compiling):
+        # The few-row ops have no backward: a forward that needs x's gradient (a drafter trained
+        # through the frozen target's head) takes the differentiable paths below.
+        if self.few_rows is not None and (self.wide is None or not compiling) and not (
+                x.requires_grad and torch.is_grad_enabled()):
             return self._few_rows_matmul(x)
         if not self.uses_dense_copy(x.dtype, x.device):
             qweight, scales = self._kernel_tensors(x.dtype)
@@ -222,19 +227,23 @@ class QuantizedLinear(nn.Module):
         return F.linear(x, self.dense_weight(x.dtype), self.bias_as(x.dtype))
 
     def _few_rows_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The few-row int8 kernel up to its measured width, then the dense copy (float32 activations)
-        or PyTorch's int8 kernel: one C++ op, eager and compiled alike."""
-        return gemv_int8_cpu.int8_linear(x, *self.few_rows_arguments(x.dtype, x.device))
+        """The few-row int8 / int4 kernel up to its measured width, then the dense copy (float32
+        activations) or PyTorch's int kernel: one C++ op, eager and compiled alike."""
+        op = gemv_int8_cpu.int8_linear if self.scheme.bits == 8 else gemv_int4_cpu.int4_linear
+        return op(x, *self.few_rows_arguments(x.dtype, x.device))
 
     def few_rows_arguments(self, dtype: torch.dtype, device: torch.device) -> tuple:
-        """What `int8_linear` takes after x for `dtype` activations (the few-row kernel attached):
-        blocked weight, fp32 scales and bias, out features, its width, then the wider rows' weights."""
+        """What `int8_linear` / `int4_linear` take after x for `dtype` activations (the few-row kernel
+        attached): the kernel's weight layout, fp32 scales (int4: and offsets) and bias, out features
+        (int4: and the group size), its width, then the wider rows' weights."""
         if self.uses_dense_copy(dtype, device):
             dense, qweight, qscales = self.dense_weight(dtype), None, None
         else:
             dense, (qweight, qscales) = None, self._kernel_tensors(dtype)
         few, few_scales, few_bias, few_upto = self.few_rows
-        return few, few_scales, few_bias, self.out_features, few_upto, dense, qweight, qscales, self.bias_as(dtype)
+        group = () if self.scheme.bits == 8 else (self.scheme.group_size,)
+        return (few, few_scales, few_bias, self.out_features, *group, few_upto, dense, qweight, qscales,
+                self.bias_as(dtype))
 
     def rows(self, start: int, stop: int) -> "QuantizedLinear":
         """Output rows [start, stop) as a layer of their own, sharing this one's storage."""

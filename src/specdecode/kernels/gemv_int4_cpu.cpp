@@ -1,0 +1,181 @@
+// Few-row int4 weight-only matmuls for decoding (CPU, AVX2 + FMA): y[M, N] = x[M, K] @ W[N, K]^T for the
+// 1-16 rows of a decode, drafting or verification step, W int4 in groups of g inputs:
+// w = (q - 8) * s + z = q * s + o with q in [0, 15] and o = z - 8 s per (output, group).
+//
+// Why: on an AVX2-only CPU float32 activations multiply int4 layers by their dense dequantised copy
+// (4 bytes a weight), and PyTorch's int4 kernel serves bf16 only: the QAT int4 drafters spent 60% of a
+// speculative step drafting. Same scheme as the int8 kernel (gemv_int8_cpu.cpp): weights in groups of 64
+// outputs, [ceil(N / 64), K, 32] bytes, for each input one 32-byte line whose 32-bit word j holds
+// outputs 8j .. 8j + 7 at bits 4i .. 4i + 3; a tile of R rows x NB blocks of 8 outputs keeps R x NB
+// accumulators of sum_k x[k] * q[k] over the current input group and R x NB totals, to which each
+// finished group adds acc * s + xsum * o (xsum: the row's input sum over the group). Widening 8
+// weights is one broadcast load, a variable shift, an and and a conversion.
+//
+// Each output is computed by the same sequence of operations whatever tile it sits in, so a row's
+// output does not depend on the rows beside it.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <vector>
+
+namespace {
+
+constexpr int64_t kGroup = 64;  // output channels per group of the layout (32 bytes per input)
+constexpr int kMaxTileRows = 4;  // accumulators and totals of 4 rows fill the 16 ymm registers
+
+// Tiles: R rows x NB blocks of 8 outputs from output n0 of a layout group; w at the tile's first
+// block (stride 32 bytes per input), so [R x NB] block offsets are j * 4 bytes.
+template <int R, int NB, typename out_t>
+inline void tile(const float* x, const float* xsum, const uint8_t* w, int64_t K, int64_t group, const float* so,
+                 int64_t n0, int64_t N, const float* bias, out_t* y) {
+  const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28);
+  const __m256i low4 = _mm256_set1_epi32(0xF);
+  const int64_t groups = K / group;
+  __m256 total[R * NB];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NB; ++i) total[i] = _mm256_setzero_ps();
+  for (int64_t kg = 0; kg < groups; ++kg) {
+    __m256 acc[R * NB];
+#pragma GCC unroll 16
+    for (int i = 0; i < R * NB; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t k = kg * group; k < (kg + 1) * group; ++k) {
+      const uint8_t* line = w + k * 32;
+      __m256 wv[NB];
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const __m256i word = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(line + j * 4));
+        wv[j] = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(word, shifts), low4));
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) {
+        const __m256 xb = _mm256_broadcast_ss(x + r * K + k);
+#pragma GCC unroll 8
+        for (int j = 0; j < NB; ++j) acc[r * NB + j] = _mm256_fmadd_ps(xb, wv[j], acc[r * NB + j]);
+      }
+    }
+    // so [groups][2][64] for this layout group: scales, then offsets, of its 64 outputs.
+    const float* s = so + kg * 2 * kGroup;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m256 xs = _mm256_set1_ps(xsum[r * groups + kg]);
+#pragma GCC unroll 8
+      for (int j = 0; j < NB; ++j) {
+        const __m256 t = _mm256_fmadd_ps(acc[r * NB + j], _mm256_loadu_ps(s + j * 8), total[r * NB + j]);
+        total[r * NB + j] = _mm256_fmadd_ps(xs, _mm256_loadu_ps(s + kGroup + j * 8), t);
+      }
+    }
+  }
+  alignas(32) float sums[R * NB * 8];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NB; ++i) _mm256_store_ps(sums + i * 8, total[i]);
+  const int64_t outputs = std::min<int64_t>(NB * 8, N - n0);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < outputs; ++i) {
+      float v = sums[r * NB * 8 + i];
+      if (bias != nullptr) v += bias[n0 + i];
+      y[r * N + n0 + i] = static_cast<out_t>(v);
+    }
+  }
+}
+
+template <int R, typename out_t>
+inline void group_rows(const float* x, const float* xsum, const uint8_t* wgroup, int64_t K, int64_t group,
+                       const float* so, int64_t g, int64_t N, const float* bias, out_t* y) {
+  constexpr int NB = R == 1 ? 4 : R == 2 ? 2 : 1;
+  for (int64_t j = 0; j < kGroup / 8; j += NB) {
+    const int64_t n0 = g * kGroup + j * 8;
+    if (n0 >= N) break;
+    tile<R, NB>(x, xsum, wgroup + j * 4, K, group, so + j * 8, n0, N, bias, y);
+  }
+}
+
+template <typename out_t>
+void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* scale_offsets, int64_t N, int64_t K,
+               int64_t group, const float* bias, out_t* y) {
+  const int64_t groups = K / group, layout_groups = (N + kGroup - 1) / kGroup;
+  std::vector<float> xsum(M * groups);  // each row's input sum per group, in input order
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t kg = 0; kg < groups; ++kg) {
+      float s = 0.0f;
+      for (int64_t k = kg * group; k < (kg + 1) * group; ++k) s += x[r * K + k];
+      xsum[r * groups + kg] = s;
+    }
+  }
+  at::parallel_for(0, layout_groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const uint8_t* wgroup = packed + g * K * 32;
+      const float* so = scale_offsets + g * groups * 2 * kGroup;
+      for (int64_t m = 0; m < M; m += kMaxTileRows) {
+        const float* xm = x + m * K;
+        const float* sm = xsum.data() + m * groups;
+        out_t* ym = y + m * N;
+        switch (std::min<int64_t>(M - m, kMaxTileRows)) {
+          case 4: group_rows<4>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
+          case 3: group_rows<3>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
+          case 2: group_rows<2>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
+          default: group_rows<1>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// x [M, K] bf16/fp16/fp32, packed [ceil(N/64), K, 32] uint8, scale_offsets [ceil(N/64), K/group, 2, 64]
+// fp32, bias [N] fp32 or None -> y [M, N] in x's dtype
+torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_offsets,
+                        const c10::optional<torch::Tensor>& bias, int64_t N, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, "2-D input and uint8 packed weights");
+  const int64_t M = x.size(0), K = x.size(1), layout_groups = (N + kGroup - 1) / kGroup;
+  TORCH_CHECK(group > 0 && K % group == 0, "the input size is a multiple of the group size");
+  TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == layout_groups && packed.size(1) == K &&
+                  packed.size(2) == 32,
+              "weights are not in the packed layout [ceil(N / 64), K, 32]");
+  TORCH_CHECK(scale_offsets.scalar_type() == at::kFloat && scale_offsets.is_contiguous() &&
+                  scale_offsets.numel() == layout_groups * (K / group) * 2 * kGroup,
+              "fp32 scales and offsets [ceil(N / 64), K / group, 2, 64]");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
+              "fp32 bias, one per output");
+  auto xf = x.to(at::kFloat).contiguous();
+  const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  auto y = torch::empty({M, N}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemm_int4", [&] {
+    gemm_rows<scalar_t>(xf.data_ptr<float>(), M, packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<float>(), N, K,
+                        group, b, y.data_ptr<scalar_t>());
+  });
+  return y;
+}
+
+// An int4 layer's whole matmul, x [..., K] -> [..., N]: up to `few_upto` rows this kernel, beyond them
+// the dense dequantised weight (float32 activations: at::linear) or PyTorch's int4 kernel (bf16/fp16:
+// qweight in its packed layout, qscales its scales and zeros); `bias` in x's dtype serves those two.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_offsets,
+                          const c10::optional<torch::Tensor>& few_bias, int64_t N, int64_t group, int64_t few_upto,
+                          const c10::optional<torch::Tensor>& dense, const c10::optional<torch::Tensor>& qweight,
+                          const c10::optional<torch::Tensor>& qscales, const c10::optional<torch::Tensor>& bias) {
+  const int64_t K = x.size(-1), rows = K == 0 ? 0 : x.numel() / K;
+  auto out_shape = x.sizes().vec();
+  out_shape.back() = N;
+  if (rows <= few_upto) return gemm_int4(x.reshape({rows, K}), packed, scale_offsets, few_bias, N, group).view(out_shape);
+  if (dense.has_value()) return at::linear(x, *dense, bias);
+  TORCH_CHECK(qweight.has_value() && qscales.has_value(), "int4_linear: wider than few_upto and no fallback weight");
+  auto out = at::_weight_int4pack_mm_for_cpu(x.reshape({rows, K}), *qweight, group, *qscales).view(out_shape);
+  return bias.has_value() ? out + *bias : out;
+}
+
+TORCH_LIBRARY(specdecode_int4, m) {
+  m.def("gemm_int4(Tensor x, Tensor packed, Tensor scale_offsets, Tensor? bias, int out_features, int group) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scale_offsets, Tensor? few_bias, int out_features, int group, "
+        "int few_upto, Tensor? dense, Tensor? qweight, Tensor? qscales, Tensor? bias) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdecode_int4, CPU, m) {
+  m.impl("gemm_int4", &gemm_int4);
+  m.impl("int4_linear", &int4_linear);
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // Nothing here: the ops are registered with the dispatcher above (torch.ops.specdecode_int4).
+}

@@ -1,0 +1,85 @@
+"""Few-row int4 weight-only matmuls for decoding on an AVX2 CPU (gemv_int4_cpu.cpp): int4 weights (groups
+of g inputs, w = (q - 8) * s + z) in a layout of 64-output groups, widened to fp32 in registers, for the
+1-16 rows of a decode, drafting or verification step.
+
+Served by int4 `QuantizedLinear` layers (models/inference.py `attach_few_row_kernels`) up to the width
+measured per layer shape where the CPU has AVX2 and FMA and the build succeeds; anything else keeps
+the dense dequantised copy (float32 activations) or PyTorch's `_weight_int4pack_mm_for_cpu` (bf16).
+The ops are registered with PyTorch's dispatcher (`torch.ops.specdecode_int4`), so eager and compiled
+forwards and the C++ layer stack call the same code. SPECDECODE_FEW_ROW_KERNELS=0 turns them off.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+import torch
+
+from specdecode.kernels import build
+
+SOURCE = Path(__file__).with_name("gemv_int4_cpu.cpp")
+GROUP = 64  # output channels per group of the layout
+REQUIRED_FLAGS = {"avx2", "fma"}
+
+
+@functools.cache
+def _extension():
+    """The built module, or None where the CPU lacks AVX2/FMA, the kernels are turned off or the
+    build failed (logged once). Loading it registers the ops `torch.ops.specdecode_int4.*`."""
+    module = build.optional_extension("gemv_int4_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
+                                      "int4 layers keep their dense copy or PyTorch's int4 kernel")
+    if module is not None:
+        _register_fake_kernels()
+    return module
+
+
+@functools.cache
+def _register_fake_kernels() -> None:
+    """Output shapes for torch.compile's tracing (the ops run in C++ only)."""
+    def out_shape(x, out_features):
+        return x.new_empty(*x.shape[:-1], out_features)
+
+    torch.library.register_fake("specdecode_int4::gemm_int4")(
+        lambda x, packed, scale_offsets, bias, out_features, group: out_shape(x, out_features))
+    torch.library.register_fake("specdecode_int4::int4_linear")(
+        lambda x, packed, scale_offsets, few_bias, out_features, *rest: out_shape(x, out_features))
+
+
+def fits(in_features: int, group_size: int, device) -> bool:
+    """Whether an int4 layer of this input size can use the kernel here."""
+    return (torch.device(device).type == "cpu" and in_features > 0 and in_features % group_size == 0
+            and _extension() is not None)
+
+
+def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [N, K] values in [0, 15], scales and zeros [N, K / g] -> (packed [ceil(N/64), K, 32] uint8: for
+    each input, 32-bit word j holds outputs 8j .. 8j + 7 at bits 4i; scale_offsets [ceil(N/64), K/g, 2, 64]
+    fp32: each group's scales s, then its offsets z - 8 s), the layout the kernel reads."""
+    N, K = q.shape
+    groups = -(-N // GROUP)
+    padded = q.new_zeros(groups * GROUP, K)
+    padded[:N] = q
+    lines = padded.view(groups, GROUP, K).transpose(1, 2).to(torch.uint8)  # [G, K, 64]
+    packed = (lines[..., 0::2] | (lines[..., 1::2] << 4)).contiguous()  # [G, K, 32], the even output low
+    s, z = scales.float(), zeros.float()
+    so = torch.zeros(groups * GROUP, 2, s.shape[1])
+    so[:N, 0], so[:N, 1] = s, z - 8 * s
+    scale_offsets = so.view(groups, GROUP, 2, -1).permute(0, 3, 2, 1).contiguous()  # [G, K/g, 2, 64]
+    return packed, scale_offsets
+
+
+def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, scale_offsets: torch.Tensor, bias: torch.Tensor | None,
+                    out_features: int, group_size: int) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) -> x @ W^T + bias [M, N] in x's dtype (bias [N] fp32)."""
+    return torch.ops.specdecode_int4.gemm_int4(x, packed, scale_offsets, bias, out_features, group_size)
+
+
+def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale_offsets: torch.Tensor, few_bias: torch.Tensor | None,
+                out_features: int, group_size: int, few_upto: int, dense: torch.Tensor | None,
+                qweight: torch.Tensor | None, qscales: torch.Tensor | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """An int4 layer's matmul, x [..., K] -> [..., N] in x's dtype: the kernel up to `few_upto` rows,
+    wider ones `dense` (the dequantised weight, float32 activations) or PyTorch's int4 kernel
+    (`qweight`, `qscales`: its layout), with `bias` in x's dtype. One C++ op."""
+    return torch.ops.specdecode_int4.int4_linear(x, packed, scale_offsets, few_bias, out_features, group_size,
+                                                 few_upto, dense, qweight, qscales, bias)

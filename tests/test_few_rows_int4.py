@@ -1,0 +1,132 @@
+"""The few-row int4 kernel (kernels/gemv_int4_cpu.cpp) and the int4 layers that take it at decode and verify widths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdecode.kernels import gemv_int4_cpu
+from specdecode.models import kernel_probe
+from specdecode.models.inference import FEW_ROWS_PROBE, attach_few_row_kernels, detach_few_row_kernels
+from specdecode.models.quant import QuantizedLinear, QuantScheme
+
+pytestmark = pytest.mark.skipif(not gemv_int4_cpu.fits(32, 32, "cpu"),
+                                reason="the few-row int4 kernel needs AVX2, FMA and a C++ compiler")
+
+
+def _layer(n: int, k: int, group: int = 32, seed: int = 0, bias: bool = False) -> QuantizedLinear:
+    g = torch.Generator().manual_seed(seed)
+    b = torch.randn(n, generator=g) * 0.1 if bias else None
+    return QuantizedLinear.from_weight(torch.randn(n, k, generator=g) * 0.05, b, QuantScheme(4, group))
+
+
+def _kernel_tensors(layer: QuantizedLinear) -> tuple:
+    packed, scale_offsets = gemv_int4_cpu.pack(layer.unpacked_int4(), layer.scales, layer.zeros)
+    return packed, scale_offsets, None if layer.bias is None else layer.bias.float().contiguous()
+
+
+def test_the_layout_holds_each_outputs_nibble_in_its_word():
+    q = torch.randint(0, 16, (70, 64), generator=torch.Generator().manual_seed(0))
+    packed, scale_offsets = gemv_int4_cpu.pack(q, torch.rand(70, 2), torch.rand(70, 2))
+    assert packed.shape == (2, 64, 32) and scale_offsets.shape == (2, 2, 2, 64)
+    words = packed.view(torch.int32).view(2, 64, 8)  # [group, input, word]
+    for n in (0, 9, 63, 64, 69):
+        word = words[n // 64, :, (n % 64) // 8]
+        assert torch.equal((word >> (4 * (n % 8))) & 0xF, q[n].to(torch.int32)), n
+    assert torch.count_nonzero(packed[1, :, 3:]) == 0  # outputs 70.. are padding
+
+
+@pytest.mark.parametrize("n,k,group", [(8, 32, 32), (70, 64, 32), (1024, 512, 32), (13, 1408, 32), (200, 256, 64),
+                                       (96, 256, 128)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernel_computes_the_int4_matmul(n, k, group, bias, dtype):
+    layer = _layer(n, k, group, bias=bias)
+    tensors = _kernel_tensors(layer)
+    w = layer.dequantize()  # [n, k] float32: (q - 8) * scale + zero
+    for m in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+        ref = x.float() @ w.T + (layer.bias if bias else 0)  # [m, n] float32
+        out = gemv_int4_cpu.few_rows_linear(x, *tensors, n, group)
+        assert out.shape == (m, n) and out.dtype == dtype
+        rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
+        torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=1e-4 * k ** 0.5)
+    wrong = gemv_int4_cpu.few_rows_linear(x, *_kernel_tensors(_layer(n, k, group, seed=1, bias=bias)), n, group)
+    assert not torch.allclose(wrong.float(), ref, rtol=2 ** -7, atol=1e-3)  # the check can fail
+
+
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+    layer = _layer(300, 512, bias=True)
+    tensors = _kernel_tensors(layer)
+    x = torch.randn(16, 512).bfloat16()
+    alone = torch.cat([gemv_int4_cpu.few_rows_linear(x[i:i + 1], *tensors, 300, 32) for i in range(16)])
+    for m in range(1, 17):
+        assert torch.equal(gemv_int4_cpu.few_rows_linear(x[:m], *tensors, 300, 32), alone[:m]), m
+
+
+def test_bad_inputs_are_refused():
+    layer = _layer(16, 64)
+    packed, scale_offsets, _ = _kernel_tensors(layer)
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="packed layout"):
+        gemv_int4_cpu.few_rows_linear(x, layer.qweight, scale_offsets, None, 16, 32)  # the stored layout
+    with pytest.raises(RuntimeError, match="scales and offsets"):
+        gemv_int4_cpu.few_rows_linear(x, packed, scale_offsets.bfloat16(), None, 16, 32)
+    with pytest.raises(RuntimeError, match="multiple of the group"):
+        gemv_int4_cpu.few_rows_linear(x, packed, scale_offsets, None, 16, 48)
+
+
+def test_float32_activations_take_the_kernel_up_to_its_width_and_the_dense_copy_past_it():
+    layer = _layer(40, 64, bias=True)
+    layer.prepare(torch.float32)
+    x = torch.randn(20, 64)
+    dense = layer(x).clone()
+    layer.few_rows = (*_kernel_tensors(_layer(40, 64, seed=1, bias=True)), 16)  # another layer's: shows which ran
+    assert torch.equal(layer(x[:16]), gemv_int4_cpu.few_rows_linear(x[:16], *layer.few_rows[:3], 40, 32))
+    assert torch.equal(layer(x), dense)  # 20 rows: the dense copy, as before
+    layer.few_rows = (*_kernel_tensors(layer), 16)
+    torch.testing.assert_close(layer(x[:3]), dense[:3], rtol=1e-5, atol=1e-5)  # the same matmul, summed otherwise
+
+
+def test_bf16_activations_fall_back_to_pytorchs_int4_kernel_past_the_width():
+    layer = _layer(64, 64, bias=True)  # 64 outputs: PyTorch's int4 kernel serves bf16 (16-row blocks)
+    layer.prepare(torch.bfloat16)
+    x = torch.randn(6, 64).bfloat16()
+    pytorch = layer(x).clone()
+    layer.few_rows = (*_kernel_tensors(layer), 4)
+    assert torch.equal(layer(x), pytorch)  # 6 rows: PyTorch's kernel, as before
+    assert torch.equal(layer(x[:4]), gemv_int4_cpu.few_rows_linear(x[:4], *layer.few_rows[:3], 64, 32))
+
+
+def test_int4_layers_are_probed_and_exact_mode_takes_the_kernel_away(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    probes = []
+
+    def faster(candidate, baseline, in_features, dtype, widths):
+        probes.append((in_features, tuple(widths)))
+        return [True, True, True] + [False] * (len(widths) - 3)  # wins up to 4 rows
+
+    monkeypatch.setattr(kernel_probe, "faster_by_width", faster)
+    model = torch.nn.Sequential(_layer(64, 32), _layer(64, 32, seed=1), _layer(32, 64), _layer(64, 32).rows(0, 16))
+    for m in model:
+        m.prepare(torch.float32)
+    assert attach_few_row_kernels(model, torch.float32) == {"32x64": 4, "64x32": 4}
+    widths = FEW_ROWS_PROBE["int4"]
+    assert probes == [(32, widths), (64, widths)]  # one probe per shape
+    assert [m.few_rows and m.few_rows[-1] for m in model] == [4, 4, 4, None]  # a view keeps its fused layer's
+    x = torch.randn(3, 32)
+    assert torch.equal(model[1](x), gemv_int4_cpu.few_rows_linear(x, *model[1].few_rows[:3], 64, 32))
+    detach_few_row_kernels(model)
+    assert all(m.few_rows is None for m in model)
+
+
+def test_a_forward_that_needs_the_inputs_gradient_takes_the_differentiable_path():
+    # A drafter trained through the frozen target's int4 head: the few-row op has no backward.
+    layer = _layer(40, 64)
+    layer.prepare(torch.float32)
+    layer.few_rows = (*_kernel_tensors(layer), 16)
+    x = torch.randn(2, 64, requires_grad=True)
+    layer(x).sum().backward()
+    torch.testing.assert_close(x.grad, layer.dequantize().sum(0).expand(2, -1), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        assert torch.equal(layer(x), gemv_int4_cpu.few_rows_linear(x, *layer.few_rows[:3], 40, 32))
