@@ -13,8 +13,10 @@ class ChainDraft:
 
     Each step samples (or takes the argmax of) the drafter's processed distribution q for the
     still-active rows and records q, since rejection sampling needs the exact q the token
-    was drawn from. Confidence = the drafter's top probability at that position: it depends on
-    the prefix only, never on the token drawn, which keeps D-Cut pruning lossless.
+    was drawn from (an all-greedy, unadjusted batch records none: it is verified by token
+    equality, so its drafts go out one-hot). Confidence = the drafter's top probability at that
+    position: it depends on the prefix only, never on the token drawn, which keeps D-Cut pruning
+    lossless.
     p_min (llama.cpp): a row stops at the first position whose top probability is below
     p_min, and that token is dropped.
     stop (D-Cut's drafting half, `DepthController.keep_drafting`): after each step, given every
@@ -28,7 +30,10 @@ class ChainDraft:
 
     def __init__(self, batch_size: int, k: int, vocab_size: int, device, p_min: float = 0.0, stop=None):
         self.token_ids = torch.full((batch_size, k), -1, dtype=torch.long, device=device)  # [B, k]
-        self.probs = torch.zeros(batch_size, k, vocab_size, device=device)  # [B, k, V]
+        # [B, k, V], made by the first step that needs it: an all-greedy batch verifies by token
+        # equality alone, so its drafts go out one-hot (None) and q is never stored.
+        self.probs: torch.Tensor | None = None
+        self.shape = (batch_size, k, vocab_size)
         self.confidence = torch.zeros(batch_size, k, device=device)  # [B, k]
         self.num = [0] * batch_size
         self.device = device
@@ -53,19 +58,25 @@ class ChainDraft:
     def add_step(self, active: list[int], step: int, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
         """logits [A, V] of the active rows -> the drafted token of each active row (-1 = stopped by p_min)."""
         rows = torch.tensor(active, device=self.device)
-        sub = sampling.select(active)
-        if sub.adjusts or sampling.constrained:
+        # An all-greedy, unadjusted batch: q is the softmax of the logits (temperature 1, no filter),
+        # read for its top probability only, and not stored (verification compares tokens).
+        greedy = sampling.all_greedy and not sampling.adjusts and not sampling.constrained
+        sub = None if greedy else sampling.select(active)
+        if sub is not None and (sub.adjusts or sampling.constrained):
             sub = sub.with_context(self.token_ids[rows, :step], self._grammar_masks(active, sampling, logits.shape[-1]))
             logits = adjust_logits(logits, sub)
-        q = process_logits(logits, sub)  # [A, V]
+        q = torch.softmax(logits, dim=-1) if sub is None else process_logits(logits, sub)  # [A, V]
         chosen = logits.argmax(dim=-1)
-        if not sub.all_greedy:
+        if sub is not None and not sub.all_greedy:
             # Keyed rows race q against the noise the target will race p against at this position
             # (Gumbel coupling): the draft is the target's token whenever q and p allow it.
             noise = race_noise(sub, logits.shape[-1], offset=step)
             chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), chosen)
+        if sub is not None:
+            if self.probs is None:
+                self.probs = torch.zeros(self.shape, device=self.device)
+            self.probs[rows, step] = q
         top = q.max(dim=-1).values
-        self.probs[rows, step] = q
         self.confidence[rows, step] = top
         if self.p_min > 0:
             chosen = torch.where(top >= self.p_min, chosen, torch.full_like(chosen, -1))

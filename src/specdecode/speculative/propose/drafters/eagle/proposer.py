@@ -89,16 +89,22 @@ class EagleProposer(TargetFeatureBuffer):
     def _forward_padded(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
         input_ids, positions, batch = build_attention(entries, self.kv_cache.scratch_index, None, self.device)
         B, T = input_ids.shape
-        feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
-        for b, f in enumerate(features):
-            feats[b, : f.shape[0]] = f
+        if B == 1:  # one entry: its features are the batch, unpadded
+            feats = features[0][None]
+        else:
+            feats = torch.zeros(B, T, features[0].shape[-1], dtype=features[0].dtype, device=self.device)
+            for b, f in enumerate(features):
+                feats[b, : f.shape[0]] = f
         return self.drafter_forward(T, batch, self.target.model.embed_tokens(input_ids), feats, positions,
                                     **self.drafter.cache_arguments(self.kv_cache, self.draft_step))
 
     def _forward_last(self, entries: list[ForwardEntry], features: list[torch.Tensor]) -> torch.Tensor:
         """o at each entry's last token [B, d]."""
         out = self._forward(entries, features)
-        last = torch.tensor([len(e.token_ids) - 1 for e in entries], device=self.device)
+        lengths = [len(e.token_ids) for e in entries]
+        if min(lengths) == out.shape[1]:  # every entry ends at the last column (drafting steps)
+            return out[:, -1]
+        last = torch.tensor(lengths, device=self.device) - 1
         return out[torch.arange(len(entries), device=self.device), last]
 
     def _catch_up(self, seqs, active: list[int]) -> dict[int, tuple[ForwardEntry, torch.Tensor]]:
