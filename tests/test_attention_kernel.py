@@ -54,6 +54,13 @@ def test_a_tokens_rows_do_not_depend_on_the_other_tokens():
         assert torch.equal(alone, out[:, :, :, t]), t
 
 
+def test_a_row_that_sees_no_key_gives_zeros():
+    q, keys, values, mask = _inputs(1, 4, 2, 1, 20, 64, torch.float32)
+    mask[:] = False
+    out = attention_cpu.cached_attention(q, keys, values, mask, 2)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
 def test_prefill_widths_take_pytorchs_kernel():
     q, keys, values, mask = _inputs(1, 4, 2, 20, 40, 64, torch.float32)  # 40 rows per KV head
     rows = mask.expand(1, 2, 20, 40).reshape(1, 1, 40, 40)

@@ -111,7 +111,11 @@ void attend_row(const scalar_t* q, const scalar_t* k, int64_t ks, const scalar_t
     _mm256_storeu_ps(scores + s0, kept);
     vmax = _mm256_max_ps(vmax, kept);
   }
-  const float m = max8(vmax);  // finite: a row always sees at least one key (its own token)
+  const float m = max8(vmax);
+  if (m == neg_inf) {  // a row that sees no key (never in a decode step): zeros, not NaNs
+    for (int64_t d = 0; d < DV * 8; ++d) out[d] = static_cast<scalar_t>(0.0f);
+    return;
+  }
   __m256 lanes = _mm256_setzero_ps();
   for (int64_t s0 = 0; s0 < S; s0 += 8) {
     const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + s0), _mm256_set1_ps(m)));
