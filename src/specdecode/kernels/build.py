@@ -98,3 +98,24 @@ def block_weight(weight: torch.Tensor, block_n: int, block_k: int) -> torch.Tens
     padded = weight.new_zeros(blocks * block_n, K)
     padded[:N] = weight
     return padded.view(blocks, block_n, K // block_k, block_k).transpose(1, 2).contiguous()
+
+
+FEW_ROW_FLAGS = {"avx2", "fma"}  # what the few-row kernels' intrinsics need
+
+
+def few_row_ops(name: str, source: Path, namespace: str, ops: tuple[str, ...], fallback: str):
+    """A few-row matmul extension (gemv_int8_cpu, gemv_int4_cpu): the built module, or None where the
+    CPU lacks AVX2/FMA, SPECDECODE_FEW_ROW_KERNELS=0 or the build failed (logged once). Loading it
+    registers the ops `torch.ops.<namespace>.*`; each gets a fake kernel for torch.compile's tracing
+    (they run in C++ only): x [..., K] and out_features, their first and fifth arguments, give the
+    output [..., out_features]."""
+    module = optional_extension(name, source, "SPECDECODE_FEW_ROW_KERNELS", FEW_ROW_FLAGS, fallback)
+    if module is not None:
+        _register_fake_kernels(namespace, ops)
+    return module
+
+
+@functools.cache  # once per process, however often the extension is asked for again
+def _register_fake_kernels(namespace: str, ops: tuple[str, ...]) -> None:
+    for op in ops:
+        torch.library.register_fake(f"{namespace}::{op}")(lambda x, *args: x.new_empty(*x.shape[:-1], args[3]))

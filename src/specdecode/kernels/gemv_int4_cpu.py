@@ -20,30 +20,13 @@ from specdecode.kernels import build
 
 SOURCE = Path(__file__).with_name("gemv_int4_cpu.cpp")
 GROUP = 64  # output channels per group of the layout
-REQUIRED_FLAGS = {"avx2", "fma"}
 
 
 @functools.cache
 def _extension():
-    """The built module, or None where the CPU lacks AVX2/FMA, the kernels are turned off or the
-    build failed (logged once). Loading it registers the ops `torch.ops.specdecode_int4.*`."""
-    module = build.optional_extension("gemv_int4_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
-                                      "int4 layers keep their dense copy or PyTorch's int4 kernel")
-    if module is not None:
-        _register_fake_kernels()
-    return module
-
-
-@functools.cache
-def _register_fake_kernels() -> None:
-    """Output shapes for torch.compile's tracing (the ops run in C++ only)."""
-    def out_shape(x, out_features):
-        return x.new_empty(*x.shape[:-1], out_features)
-
-    torch.library.register_fake("specdecode_int4::gemm_int4")(
-        lambda x, packed, scale_offsets, bias, out_features, group: out_shape(x, out_features))
-    torch.library.register_fake("specdecode_int4::int4_linear")(
-        lambda x, packed, scale_offsets, few_bias, out_features, *rest: out_shape(x, out_features))
+    """The built module (`build.few_row_ops`), or None where it is not available here; loading it
+    registers the ops `torch.ops.specdecode_int4.*`."""
+    return build.few_row_ops("gemv_int4_kernels", SOURCE, "specdecode_int4", ('gemm_int4', 'int4_linear'), "int4 layers keep their dense copy or PyTorch's int4 kernel")
 
 
 def fits(in_features: int, group_size: int, device) -> bool:

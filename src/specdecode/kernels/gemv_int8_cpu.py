@@ -20,30 +20,13 @@ from specdecode.kernels import build
 
 SOURCE = Path(__file__).with_name("gemv_int8_cpu.cpp")
 GROUP = 64  # output channels per group of the layout
-REQUIRED_FLAGS = {"avx2", "fma"}
 
 
 @functools.cache
 def _extension():
-    """The built module, or None where the CPU lacks AVX2/FMA, the kernels are turned off or the
-    build failed (logged once). Loading it registers the ops `torch.ops.specdecode_int8.*`."""
-    module = build.optional_extension("gemv_int8_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
-                                      "PyTorch's int8 kernel serves instead")
-    if module is not None:
-        _register_fake_kernels()
-    return module
-
-
-@functools.cache  # once per process, however often `_extension` is asked again
-def _register_fake_kernels() -> None:
-    """Output shapes for torch.compile's tracing (the ops run in C++ only)."""
-    def out_shape(x, out_features):
-        return x.new_empty(*x.shape[:-1], out_features)
-
-    torch.library.register_fake("specdecode_int8::gemm_int8")(
-        lambda x, blocked, scales, bias, out_features: out_shape(x, out_features))
-    torch.library.register_fake("specdecode_int8::int8_linear")(
-        lambda x, blocked, few_scales, few_bias, out_features, *fallback: out_shape(x, out_features))
+    """The built module (`build.few_row_ops`), or None where it is not available here; loading it
+    registers the ops `torch.ops.specdecode_int8.*`."""
+    return build.few_row_ops("gemv_int8_kernels", SOURCE, "specdecode_int8", ('gemm_int8', 'int8_linear'), "PyTorch's int8 kernel serves instead")
 
 
 def fits(in_features: int, device) -> bool:
