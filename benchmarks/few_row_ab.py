@@ -3,11 +3,16 @@ paired ratio (the machine's drift hits both alike). `--against pytorch` (the def
 kernels' effect (the baseline engine has them detached); `--against eager`: torch.compile's (the
 candidate engine is compiled, the baseline eager, both with the kernels); `--against modules`: the
 C++ layer stack's (models/native_stack.py; the baseline's models and drafter blocks run their
-Python modules).
+Python modules); `--against python-draft`: the C++ drafting step's (speculative/propose/native_step.py;
+the baseline's proposer drafts through its Python step); `--against python-runner`: the runner's
+one-sequence forward in one C++ call (models/native_stack.py NativeChain; the baseline's runners keep
+their Python around the stack).
 
     python benchmarks/few_row_ab.py --quantization int8 [--method ngram] [--compile]
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against eager
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against modules --method eagle3
+    python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against python-draft --method mtp
+    python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against python-runner
 
 Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored);
 prints each round's tok/s and the median of the per-round ratios candidate / baseline.
@@ -36,9 +41,11 @@ def main() -> None:
     parser.add_argument("--method", default="none",
                         help="none, ngram (k=8), or a shipped drafter: draft_model, eagle3, mtp (k=4)")
     parser.add_argument("--compile", action="store_true", help="both engines compiled (--against pytorch)")
-    parser.add_argument("--against", choices=("pytorch", "eager", "modules"), default="pytorch",
-                        help="the baseline: PyTorch's kernels in place of the few-row ones, eager forwards, or the "
-                             "Python modules in place of the C++ layer stack")
+    parser.add_argument("--against", choices=("pytorch", "eager", "modules", "python-draft", "python-runner"),
+                        default="pytorch",
+                        help="the baseline: PyTorch's kernels in place of the few-row ones, eager forwards, the "
+                             "Python modules in place of the C++ layer stack, the proposer's Python drafting step in "
+                             "place of the C++ one, or the runners' Python around the stack")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -56,6 +63,13 @@ def main() -> None:
         for module in [engines["baseline"].model, *(vars(proposer).values() if proposer is not None else ())]:
             if isinstance(module, nn.Module):
                 serve_by_modules(module)
+    elif args.against == "python-draft":
+        engines["baseline"].speculator.proposer.native_drafting = False
+    elif args.against == "python-runner":
+        proposer = getattr(engines["baseline"].speculator, "proposer", None)
+        for runner in (engines["baseline"].runner, getattr(proposer, "runner", None)):
+            if runner is not None:
+                runner.native_chain = False
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     prompts = load_prompts("humaneval", args.num_prompts)
     outputs = {}

@@ -25,18 +25,34 @@ def forced_kernels(monkeypatch):
     monkeypatch.setattr(kernel_probe, "save_choices", lambda cached: None)
 
 
+class CallList(list):
+    chains: list[int]
+
+    def __init__(self):
+        super().__init__()
+        self.chains = []
+
+
 @pytest.fixture
 def stack_calls(monkeypatch) -> list[int]:
     """The forwards C++ stacks ran: the token counts of whole models' (more than one block), then
-    (blocks, tokens) of single blocks'."""
-    calls: list = []
+    (blocks, tokens) of single blocks'; `calls.chains`: the token counts of those that ran with their
+    embedding and LM head as one call (a runner's one-sequence forward)."""
+    calls = CallList()
     forward = native_stack.NativeStack.forward
 
     def counted(self, x, cos, sin, batch, cache_k, *args, **kwargs):
         calls.append(x.shape[1] if len(cache_k) > 1 else (1, x.shape[1]))
         return forward(self, x, cos, sin, batch, cache_k, *args, **kwargs)
 
+    def counted_chain(self, chain, cache_k, cache_v, ids, *args):
+        calls.append(ids.shape[1])
+        calls.chains.append(ids.shape[1])
+        return chain_forward(self, chain, cache_k, cache_v, ids, *args)
+
+    chain_forward = native_stack.NativeStack.chain_forward
     monkeypatch.setattr(native_stack.NativeStack, "forward", counted)
+    monkeypatch.setattr(native_stack.NativeStack, "chain_forward", counted_chain)
     return calls
 
 
@@ -71,6 +87,7 @@ def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
     steps = _steps(llm.model.config.vocab_size)
     ours = _run(llm, steps)
     assert stack_calls == [9, 1, 5, 1, 3]  # every step but the last
+    assert stack_calls.chains == [9, 1, 5]  # one sequence's chain: embedding to logits in one C++ call
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
         m.setattr(llama, "native_block_for", lambda *args: None)
@@ -122,13 +139,13 @@ def test_exact_mode_autograd_hooks_and_other_batches_keep_the_modules(native_mod
     assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=None, write_start=0))
     assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=(0, 2), write_start=None))
     with torch.inference_mode():
-        assert stack.serves(x) and not stack.serves(x.bfloat16())
-    assert not stack.serves(x)  # autograd on
+        assert stack.serves(x.dtype) and not stack.serves(torch.bfloat16)
+    assert not stack.serves(x.dtype)  # autograd on
     # A forward hook anywhere in the stack (exact/bisect.py records outputs through them) must run.
     seen = []
     handle = llm.model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, args, out: seen.append(out))
     with torch.inference_mode():
-        assert not stack.serves(x)
+        assert not stack.serves(x.dtype)
     llm.runner.forward(_steps(llm.model.config.vocab_size)[0])
     assert len(seen) == 1 and stack_calls == [(1, 9)]  # the other block alone
     handle.remove()

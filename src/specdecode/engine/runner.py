@@ -39,6 +39,7 @@ class Runner:
         self.max_len = max_len
         self.kv_cache = KVCache(model.config, num_slots, max_len, dtype, device)
         self.grouping = LengthGrouping.for_device(device)  # when a ragged batch is split into several forwards
+        self.native_chain = True  # one sequence's chain in one C++ call where served; False: always Python (A/B)
 
     @torch.inference_mode()
     def forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...] = ()) -> ForwardResult:
@@ -52,6 +53,13 @@ class Runner:
         return self.grouping.run(entries, lambda group: self._forward([entries[i] for i in group], hidden_taps), merge)
 
     def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...]) -> ForwardResult:
+        if len(entries) == 1 and self.native_chain and not self.exact and self.model_forward.compiled is None:
+            entry = entries[0]  # one sequence's chain: embedding to logits in one C++ call, where it serves
+            if entry.positions is None and entry.tree_mask is None and entry.num_logits <= len(entry.token_ids):
+                out = self.model.forward_chain(entry.token_ids, entry.slot, entry.start, entry.num_logits,
+                                               self.kv_cache, hidden_taps)
+                if out is not None:
+                    return ForwardResult(out[2], out[0], out[1], [len(entry.token_ids)])
         input_ids, positions, batch = build_attention(
             entries, self.kv_cache.scratch_index, self.model.config.sliding_window, self.device)
         batch.exact = self.exact

@@ -290,6 +290,138 @@ class Stack {
   std::vector<torch::Tensor> k_, v_;
 };
 
+// What one sequence's T new tokens at cache columns start .. start + T - 1 attend with: RoPE tables
+// as models/layers.py RotaryEmbedding computes them, and the causal mask of engine/ragged.py
+// _one_chain (none for one token: it sees every column).
+struct ChainRope {
+  torch::Tensor cos, sin;  // [1, T, 1, D]
+  OptTensor mask;          // [1, 1, T, start + T] bool
+};
+
+ChainRope chain_rope(const torch::Tensor& inv_freq, double attention_factor, int64_t start, int64_t T,
+                     at::ScalarType dtype) {
+  const auto options = torch::TensorOptions().dtype(torch::kLong);
+  const int64_t S = start + T;
+  const auto positions = torch::arange(start, S, options).unsqueeze(0);  // [1, T], also the columns written
+  OptTensor mask;
+  if (T > 1)
+    mask = torch::arange(S, options).unsqueeze(0).le(positions.select(0, 0).unsqueeze(-1)).unsqueeze(0).unsqueeze(0);
+  const auto freqs = positions.unsqueeze(-1).to(torch::kFloat) * inv_freq;  // [1, T, D/2]
+  const auto emb = torch::cat({freqs, freqs}, -1).unsqueeze(2);             // [1, T, 1, D]
+  auto cos = emb.cos(), sin = emb.sin();
+  if (attention_factor != 1.0) {
+    cos = cos * attention_factor;
+    sin = sin * attention_factor;
+  }
+  return {cos.to(dtype), sin.to(dtype), mask};
+}
+
+// A model's forward for one sequence's contiguous new tokens as one C++ call (models/native_stack.py
+// NativeChain, for engine/runner.py): embedding, RoPE, the layer stack, then the LM head at the last
+// `num_logits` rows in float32, what Runner._forward computes for such a batch, op for op. Around the
+// stack, that Python cost ~0.3-0.4 ms a forward on a 2-core EPYC (its objects are cold after the
+// stack's weights streamed through the caches).
+class ChainForward {
+ public:
+  ChainForward(torch::Tensor embedding, torch::Tensor inv_freq, double attention_factor, Linear head)
+      : embedding_(std::move(embedding)), inv_freq_(std::move(inv_freq)), attention_factor_(attention_factor),
+        head_(std::move(head)) {}
+
+  // tokens [1, T] int64 at cache columns start .. of row `slot` -> (final-normed hidden [1, T, d], the
+  // states of `taps`, logits [1, num_logits, V] float32 of the last num_logits tokens).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor> forward(
+      Stack& stack, const torch::Tensor& tokens, int64_t slot, int64_t start, int64_t num_logits,
+      const std::vector<int64_t>& taps) {
+    const int64_t T = tokens.size(1);
+    const auto x = at::embedding(embedding_, tokens);  // [1, T, d]
+    const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, x.scalar_type());
+    auto [hidden, tapped] = stack.forward(x, rope.cos, rope.sin, slot, slot + 1, start, start + T, rope.mask, taps,
+                                          std::nullopt);
+    // Runner._forward: the last num_logits rows (a gather: contiguous), then compute_logits (row_linear, float).
+    const auto selected = hidden.slice(1, T - num_logits, T).contiguous();  // [1, N, d]
+    const auto logits = head_(selected.reshape({-1, selected.size(-1)})).view({1, num_logits, -1}).to(torch::kFloat);
+    return {hidden, tapped, logits};
+  }
+
+ private:
+  torch::Tensor embedding_, inv_freq_;
+  double attention_factor_;
+  Linear head_;
+};
+
+// One chain-drafting step with a greedy pick, as one C++ call: a feature drafter's (EAGLE, EAGLE-3,
+// MTP) or a draft model's (speculative/propose/native_step.py). The proposers' Python step (entry
+// and mask building, embedding, RoPE tables, input norms and concatenation, the layers, the head,
+// softmax / argmax / max over the vocabulary) costs ~0.8 ms of ops around ~0.3 ms of matmuls on a
+// 2-core EPYC; this runs the same ops in the same order, so the drafter's output and its argmax
+// are bit-identical to the modules'. The drafted token's probability (its confidence, for p_min
+// and D-Cut) is 1 / sum(exp(logits - max)) over the scored tokens: equal to the softmax's maximum up
+// to rounding.
+class DraftStep {
+ public:
+  // embedding [V, d]: the target's; inv_freq, attention_factor: the drafter's RotaryEmbedding.
+  // eagle3 (attn_input): attention reads cat(norm(e; embed_norm), norm(f; feature_norm)) and f is the
+  // residual; else x = fc(cat(e', f')) with e', f' normed where a norm is given (MTP), raw (EAGLE);
+  // a draft model (no features): x = e, and its stack ends in its final norm.
+  // head_norm (optional) then head scores the draft vocabulary; head_ids [n] maps a scored row to
+  // its target token id (a reduced head), absent when the head scores the whole vocabulary.
+  DraftStep(torch::Tensor embedding, torch::Tensor inv_freq, double attention_factor, bool attn_input,
+            OptTensor embed_norm, double embed_eps, OptTensor feature_norm, double feature_eps,
+            std::optional<Linear> fc, OptTensor head_norm, double head_eps, Linear head, OptTensor head_ids)
+      : embedding_(std::move(embedding)), inv_freq_(std::move(inv_freq)), attention_factor_(attention_factor),
+        attn_input_(attn_input), embed_norm_(std::move(embed_norm)), embed_eps_(embed_eps),
+        feature_norm_(std::move(feature_norm)), feature_eps_(feature_eps), fc_(std::move(fc)),
+        head_norm_(std::move(head_norm)), head_eps_(head_eps), head_(std::move(head)), head_ids_(std::move(head_ids)) {}
+
+  // tokens [1, T] int64 and features [1, T, d] (a feature drafter's; position t takes token t + 1 and
+  // feature t): drafter positions start .. start + T - 1 of cache row `slot`, through `layers` (the
+  // drafter's block, or the draft model's stack) -> (o [1, T, d], the drafted token after the last
+  // position, its probability).
+  std::tuple<torch::Tensor, int64_t, double> step(Stack& layers, const torch::Tensor& tokens,
+                                                  const OptTensor& features, int64_t slot, int64_t start) {
+    const int64_t T = tokens.size(1), S = start + T;
+    const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, embedding_.scalar_type());
+    // The drafter's forward (speculative/propose/drafters/eagle/model.py).
+    auto e = at::embedding(embedding_, tokens);  // [1, T, d]
+    torch::Tensor x;
+    OptTensor attn_input;
+    if (!features.has_value()) {
+      x = e;
+    } else if (attn_input_) {
+      x = *features;
+      attn_input = torch::cat({rms_norm_op(e, *embed_norm_, embed_eps_), rms_norm_op(x, *feature_norm_, feature_eps_)}, -1);
+    } else {
+      const auto f = feature_norm_.has_value() ? rms_norm_op(*features, *feature_norm_, feature_eps_) : *features;
+      if (embed_norm_.has_value()) e = rms_norm_op(e, *embed_norm_, embed_eps_);
+      x = (*fc_)(torch::cat({e, f}, -1));
+    }
+    const auto out = layers.forward(x, rope.cos, rope.sin, slot, slot + 1, start, S, rope.mask, {}, attn_input).first;
+    // The head at the last position (EagleProposer.vocab_logits; a draft model's compute_logits).
+    auto h = out.select(1, T - 1);  // [1, d]
+    if (head_norm_.has_value()) h = rms_norm_op(h, *head_norm_, head_eps_);
+    const auto scores = head_(h.reshape({-1, h.size(-1)})).to(torch::kFloat);  // [1, n]
+    const auto best = scores.argmax(-1);  // the first maximum, as the full vocabulary's argmax (ids ascend)
+    const double top = (scores - scores.gather(-1, best.unsqueeze(-1))).exp().sum().reciprocal().item<float>();
+    int64_t index = best.item<int64_t>();
+    if (head_ids_.has_value()) index = (*head_ids_)[index].item<int64_t>();
+    return {out, index, top};
+  }
+
+ private:
+  torch::Tensor embedding_, inv_freq_;
+  double attention_factor_;
+  bool attn_input_;
+  OptTensor embed_norm_;
+  double embed_eps_;
+  OptTensor feature_norm_;
+  double feature_eps_;
+  std::optional<Linear> fc_;
+  OptTensor head_norm_;
+  double head_eps_;
+  Linear head_;
+  OptTensor head_ids_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
   m.def("dense_linear", &dense_linear, "a dense layer: at::linear(x, weight, bias)", py::arg("weight"),
@@ -308,4 +440,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<std::vector<Layer>, OptTensor, double, bool>())
       .def("bind_cache", &Stack::bind_cache)
       .def("forward", &Stack::forward);
+  py::class_<DraftStep>(m, "DraftStep")
+      .def(py::init<torch::Tensor, torch::Tensor, double, bool, OptTensor, double, OptTensor, double,
+                    std::optional<Linear>, OptTensor, double, Linear, OptTensor>())
+      .def("step", &DraftStep::step);
+  py::class_<ChainForward>(m, "ChainForward")
+      .def(py::init<torch::Tensor, torch::Tensor, double, Linear>())
+      .def("forward", &ChainForward::forward);
 }

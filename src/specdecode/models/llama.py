@@ -28,7 +28,8 @@ from specdecode.models.layers import (MLP, AttentionBatch, RMSNorm, RotaryEmbedd
                                       apply_rope_interleaved, read_columns, write_columns, write_kv)
 from specdecode.models.mla import MLAAttention
 from specdecode.models.moe import MoE
-from specdecode.models.native_stack import ServedTypes, batch_served, native_block_for, native_stack_for
+from specdecode.models.native_stack import (ServedTypes, batch_served, native_block_for, native_chain_for,
+                                            native_stack_for)
 
 
 class KVCache:
@@ -260,7 +261,7 @@ class DecoderLayer(nn.Module):
         if cache_k is not None and dsa is None and batch_served(batch) and x.device.type == "cpu" \
                 and not torch.compiler.is_compiling():  # a drafter's block: the same ops from C++, where it serves
             native = native_block_for(self, NATIVE_TYPES)
-            if native is not None and native.serves(x):
+            if native is not None and native.serves(x.dtype):
                 return native.forward(x, cos, sin, batch, (cache_k,), (cache_v,), attn_input=attn_input)[0]
         h = self.input_layernorm(x) if attn_input is None else attn_input
         if dsa is None:
@@ -268,10 +269,6 @@ class DecoderLayer(nn.Module):
         else:
             x = x + self.self_attn(h, cos, sin, batch, cache_k, cache_v, dsa)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-
-# What the C++ stack (models/native_stack.py) reproduces: these types exactly.
-NATIVE_TYPES = ServedTypes(block=DecoderLayer, attention=Attention, fused_linear=FusedLinear)
 
 
 class SharedHead(nn.Module):
@@ -381,7 +378,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         if kv_cache is not None and batch_served(batch) and x.device.type == "cpu" and not torch.compiler.is_compiling():
             native = native_stack_for(self, NATIVE_TYPES)  # the same ops from C++ (models/native_stack.py), where it serves
-            if native is not None and native.serves(x):
+            if native is not None and native.serves(x.dtype):
                 return ForwardOutput(*native.forward(x, cos, sin, batch, kv_cache.k, kv_cache.v, hidden_taps))
         taps: dict[int, torch.Tensor] = {}
         L = self.config.num_hidden_layers  # MTP layers (model.layers[L:]) are drafters, not part of the stack
@@ -399,6 +396,18 @@ class LlamaForCausalLM(nn.Module):
             taps[L] = x
         return ForwardOutput(self.model.norm(x), taps)
 
+    def forward_chain(self, token_ids: list[int], slot: int, start: int, num_logits: int, kv_cache: KVCache,
+                      hidden_taps: tuple[int, ...] = ()) -> tuple | None:
+        """One sequence's contiguous new tokens, written at cache columns start .. of row `slot`, as one
+        C++ call (models/native_stack.py NativeChain: the embedding, RoPE, the stack and the LM head):
+        (final-normed hidden [1, T, d], taps, logits [1, num_logits, V] float32) bit-identical to
+        `forward` + `compute_logits` of the last num_logits tokens; None where that is not served."""
+        if kv_cache.k[0].device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        stack = native_stack_for(self, NATIVE_TYPES)
+        chain = native_chain_for(self, NATIVE_TYPES) if stack is not None else None
+        return None if chain is None else chain.forward(stack, token_ids, slot, start, num_logits, kv_cache, hidden_taps)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., vocab] in float32 (sampling needs the precision)."""
         return row_linear(self.lm_head, hidden).float()
@@ -410,3 +419,8 @@ class LlamaForCausalLM(nn.Module):
                 seen.add(id(p))
                 total += p.numel()
         return total
+
+
+# What the C++ stack (models/native_stack.py) reproduces: these types exactly.
+NATIVE_TYPES = ServedTypes(block=DecoderLayer, attention=Attention, fused_linear=FusedLinear,
+                           causal_lm=LlamaForCausalLM)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specdecode.kernels import attention_cpu, decode_stack_cpu
-from specdecode.models.layers import MLP, AttentionBatch, RMSNorm
+from specdecode.models.layers import MLP, AttentionBatch, RMSNorm, RotaryEmbedding
 
 if TYPE_CHECKING:
     from specdecode.models.llama import LlamaForCausalLM
@@ -73,6 +73,7 @@ class ServedTypes:
     block: type  # DecoderLayer
     attention: type  # Attention
     fused_linear: type  # FusedLinear
+    causal_lm: type  # LlamaForCausalLM
 
 
 class NativeStack:
@@ -93,31 +94,8 @@ class NativeStack:
         hooks = torch.nn.modules.module
         self._hooks = [hooks._global_forward_pre_hooks, hooks._global_forward_hooks]
 
-        def norm_weight(norm: nn.Module | None) -> torch.Tensor | None:
-            if norm is None:
-                return None
-            weight = watch.get(norm, "weight")
-            if type(norm) is not RMSNorm or weight.dtype != self.dtype or weight.device.type != "cpu":
-                raise NotServed(f"norm {norm}")
-            watch.get(norm, "eps")
-            return weight
-
         def linear(owner: nn.Module, name: str):
-            layer = watch.get(owner, name)
-            if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
-                if watch.get(layer, "wide") is not None or watch.get(layer, "row_tiling") is not None:
-                    raise NotServed(f"{name}: a wide copy or a row tiling")
-                if watch.get(layer, "few_rows") is not None:  # the few-row op of its width (int8 or int4)
-                    few_rows = extension.int8_linear if watch.get(layer, "scheme").bits == 8 else extension.int4_linear
-                    return few_rows(*layer.few_rows_arguments(self.dtype, layer.qweight.device))
-                if layer.uses_dense_copy(self.dtype, layer.qweight.device):  # what its forward runs: F.linear
-                    return extension.dense_linear(layer.dense_weight(self.dtype), layer.bias_as(self.dtype))
-                raise NotServed(f"{name}: PyTorch's int kernels")
-            if isinstance(layer, types.fused_linear) or type(layer) is nn.Linear:
-                if layer.weight.dtype != self.dtype:
-                    raise NotServed(f"{name}: weight dtype {layer.weight.dtype}")
-                return extension.dense_linear(watch.get(layer, "weight"), watch.get(layer, "bias"))
-            raise NotServed(f"{name}: {type(layer).__name__}")
+            return served_linear(watch.get(owner, name), name, self.dtype, watch, types)
 
         layers = []
         for block in blocks:
@@ -131,7 +109,7 @@ class NativeStack:
             if len({n.eps for n in norms if n is not None}) != 1:
                 raise NotServed("norms of one layer with different eps")
             layers.append(extension.Layer(
-                *map(norm_weight, norms), norms[0].eps,
+                *(norm_weight(n, self.dtype, watch) for n in norms), norms[0].eps,
                 linear(attn, "qkv"), linear(attn, "o_proj"), linear(mlp, "gate_up"), linear(mlp, "down_proj"),
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features))
             self._hooks += [d for m in block.modules() for d in (m._forward_pre_hooks, m._forward_hooks)]
@@ -139,14 +117,32 @@ class NativeStack:
             self._hooks += [final_norm._forward_pre_hooks, final_norm._forward_hooks]
         # The modules' cached attention takes the attention op in every forward the stack serves
         # (eager, no autograd, CPU) where it is built: so does the stack.
-        self._stack = extension.Stack(layers, norm_weight(final_norm), 0.0 if final_norm is None else final_norm.eps,
-                                      attention_cpu.available())
+        self._stack = extension.Stack(layers, norm_weight(final_norm, self.dtype, watch),
+                                      0.0 if final_norm is None else final_norm.eps, attention_cpu.available())
         self._k: list[torch.Tensor] = []  # the caches bound to the C++ stack
         self._v: list[torch.Tensor] = []
 
-    def serves(self, x: torch.Tensor) -> bool:
-        """Whether this forward is one the stack runs (`batch_served` checked first)."""
-        return x.dtype == self.dtype and not torch.is_grad_enabled() and not any(self._hooks)
+    def bind(self, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor]) -> None:
+        """Make these (one K and one V per block) the caches the C++ stack reads and writes."""
+        if len(cache_k) != len(self._k) or not all(map(operator.is_, cache_k, self._k)) \
+                or not all(map(operator.is_, cache_v, self._v)):
+            self._stack.bind_cache(list(cache_k), list(cache_v))
+            self._k, self._v = list(cache_k), list(cache_v)
+
+    def draft_step(self, step, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
+        """A C++ DraftStep (speculative/propose/native_step.py) through these layers on this cache:
+        step.step(layers, *args)."""
+        self.bind(cache_k, cache_v)
+        return step.step(self._stack, *args)
+
+    def chain_forward(self, chain, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
+        """A C++ ChainForward (`NativeChain`) through this stack on this cache: chain.forward(stack, *args)."""
+        self.bind(cache_k, cache_v)
+        return chain.forward(self._stack, *args)
+
+    def serves(self, dtype: torch.dtype) -> bool:
+        """Whether a forward on activations of `dtype` is one the stack runs now (`batch_served` checked first)."""
+        return dtype == self.dtype and not torch.is_grad_enabled() and not any(self._hooks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: AttentionBatch,
                 cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], hidden_taps: tuple[int, ...] = (),
@@ -155,16 +151,85 @@ class NativeStack:
         block -> (the last block's output [B, T, d], final-normed where the stack has the final norm;
         {tap: [B, T, d]}, models/llama.py's numbering). `attn_input` replaces the first block's input
         norm as what attention reads (EAGLE-3)."""
-        if len(cache_k) != len(self._k) or not all(map(operator.is_, cache_k, self._k)) \
-                or not all(map(operator.is_, cache_v, self._v)):
-            self._stack.bind_cache(list(cache_k), list(cache_v))
-            self._k, self._v = list(cache_k), list(cache_v)
+        self.bind(cache_k, cache_v)
         mask = batch.attn_mask
         num_keys = mask.shape[-1] if mask is not None else batch.num_keys
         taps = list(hidden_taps)
         hidden, tapped = self._stack.forward(x, cos, sin, *batch.slot_range, batch.write_start, num_keys,
                                              None if batch.sees_all else mask, taps, attn_input)
         return hidden, dict(zip(taps, tapped))
+
+
+class NativeChain:
+    """A model's forward for one sequence's contiguous new tokens (embedding, RoPE, its stack, the LM
+    head at the last rows) as one C++ call (`ChainForward` in decode_stack_cpu.cpp), bit-identical to
+    the runner's Python around the stack (`build_attention`, the embedding and rotary modules, the
+    gather of the last rows, `compute_logits`). Raises NotServed where a piece is not one it
+    reproduces; `watch` records what was looked at."""
+
+    def __init__(self, model: "LlamaForCausalLM", watch: Watch, types: ServedTypes):
+        extension = decode_stack_cpu.extension()
+        if extension is None:
+            raise NotServed("the decode-stack kernel is not built here")
+        if type(model) is not types.causal_lm or model.config.sliding_window is not None:
+            raise NotServed(f"model {type(model).__name__} (sliding window {model.config.sliding_window})")
+        embedding, rotary = watch.get(model.model, "embed_tokens"), watch.get(model.model, "rotary_emb")
+        self.dtype = watch.get(embedding, "weight").dtype
+        if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
+            raise NotServed(f"embedding {embedding}")
+        if type(rotary) is not RotaryEmbedding:
+            raise NotServed(f"rotary {type(rotary).__name__}")
+        head = watch.get(model, "lm_head")
+        modules = [model, model.model, embedding, rotary, head]
+        hooks = torch.nn.modules.module
+        self._hooks = [hooks._global_forward_pre_hooks, hooks._global_forward_hooks]
+        self._hooks += [d for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)]
+        self._chain = extension.ChainForward(embedding.weight, watch.get(rotary, "inv_freq"),
+                                             watch.get(rotary, "attention_factor"),
+                                             served_linear(head, "lm_head", self.dtype, watch, types))
+
+    def forward(self, stack: NativeStack, token_ids: list[int], slot: int, start: int, num_logits: int,
+                kv_cache, hidden_taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor] | None:
+        """(final-normed hidden [1, T, d], {tap: [1, T, d]}, logits [1, num_logits, V] float32), or None
+        where it does not serve now (autograd, a forward hook)."""
+        if torch.is_grad_enabled() or any(self._hooks) or not stack.serves(self.dtype):
+            return None
+        taps = list(hidden_taps)
+        ids = torch.tensor([token_ids], dtype=torch.long)
+        hidden, tapped, logits = stack.chain_forward(self._chain, kv_cache.k, kv_cache.v, ids, slot, start,
+                                                     num_logits, taps)
+        return hidden, dict(zip(taps, tapped)), logits
+
+
+def norm_weight(norm: nn.Module | None, dtype: torch.dtype, watch: Watch) -> torch.Tensor | None:
+    """An RMSNorm's weight as the C++ code applies it (None: no norm); raises NotServed otherwise."""
+    if norm is None:
+        return None
+    weight = watch.get(norm, "weight")
+    if type(norm) is not RMSNorm or weight.dtype != dtype or weight.device.type != "cpu":
+        raise NotServed(f"norm {norm}")
+    watch.get(norm, "eps")
+    return weight
+
+
+def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch, types: ServedTypes):
+    """A linear layer as the C++ code computes it (a `Linear` of decode_stack_cpu.cpp): the path its
+    module takes for activations of `dtype`; raises NotServed where that path is not reproduced."""
+    extension = decode_stack_cpu.extension()
+    if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
+        if watch.get(layer, "wide") is not None or watch.get(layer, "row_tiling") is not None:
+            raise NotServed(f"{name}: a wide copy or a row tiling")
+        if watch.get(layer, "few_rows") is not None:  # the few-row op of its width (int8 or int4)
+            few_rows = extension.int8_linear if watch.get(layer, "scheme").bits == 8 else extension.int4_linear
+            return few_rows(*layer.few_rows_arguments(dtype, layer.qweight.device))
+        if layer.uses_dense_copy(dtype, layer.qweight.device):  # what its forward runs: F.linear
+            return extension.dense_linear(layer.dense_weight(dtype), layer.bias_as(dtype))
+        raise NotServed(f"{name}: PyTorch's int kernels")
+    if isinstance(layer, types.fused_linear) or type(layer) is nn.Linear:
+        if layer.weight.dtype != dtype:
+            raise NotServed(f"{name}: weight dtype {layer.weight.dtype}")
+        return extension.dense_linear(watch.get(layer, "weight"), watch.get(layer, "bias"))
+    raise NotServed(f"{name}: {type(layer).__name__}")
 
 
 def batch_served(batch: AttentionBatch | None) -> bool:
@@ -176,20 +241,27 @@ def batch_served(batch: AttentionBatch | None) -> bool:
 # module -> (what its stack was decided on, the stack or None); weak: no reference keeps a model alive,
 # and the module itself holds nothing that deepcopy or pickling would trip on.
 _STACKS: "weakref.WeakKeyDictionary[nn.Module, tuple[Watch, NativeStack | None]]" = weakref.WeakKeyDictionary()
+_CHAINS: "weakref.WeakKeyDictionary[nn.Module, tuple[Watch, NativeChain | None]]" = weakref.WeakKeyDictionary()
 
 
-def _cached(module: nn.Module, build) -> NativeStack | None:
-    """The module's stack, built on first use and again when what it was built from changed."""
-    entry = _STACKS.get(module)
+def current_or_rebuilt(entry: tuple[Watch, object] | None, build) -> tuple[Watch, object]:
+    """`entry` (what a C++ object was decided on, the object or None) while what it was built from
+    is unchanged, else a new one from build(watch) (None where that raises NotServed)."""
     if entry is not None and entry[0].current():
-        return entry[1]
+        return entry
     watch = Watch()
     try:
-        stack = build(watch)
+        return watch, build(watch)
     except NotServed:
-        stack = None
-    _STACKS[module] = (watch, stack)
-    return stack
+        return watch, None
+
+
+def _cached(store: weakref.WeakKeyDictionary, module: nn.Module, build):
+    """The module's C++ object in `store`, built on first use and again when what it was built from changed."""
+    entry = store.get(module)
+    if entry is None or not entry[0].current():
+        entry = store[module] = current_or_rebuilt(None, build)
+    return entry[1]
 
 
 def native_stack_for(model: "LlamaForCausalLM", types: ServedTypes) -> NativeStack | None:
@@ -200,15 +272,20 @@ def native_stack_for(model: "LlamaForCausalLM", types: ServedTypes) -> NativeSta
         blocks = [watch.get(model.model.layers, str(i)) for i in range(model.config.num_hidden_layers)]
         return NativeStack(blocks, watch.get(model.model, "norm"), watch, types)
 
-    return _cached(model, build)
+    return _cached(_STACKS, model, build)
+
+
+def native_chain_for(model: "LlamaForCausalLM", types: ServedTypes) -> NativeChain | None:
+    """The pieces around a model's stack for one-sequence forwards, in C++ (None: not served)."""
+    return _cached(_CHAINS, model, lambda watch: NativeChain(model, watch, types))
 
 
 def native_block_for(block: nn.Module, types: ServedTypes) -> NativeStack | None:
     """One decoder block (a drafter's) as one C++ call (None: not served)."""
-    return _cached(block, lambda watch: NativeStack([block], None, watch, types))
+    return _cached(_STACKS, block, lambda watch: NativeStack([block], None, watch, types))
 
 
 def serve_by_modules(module: nn.Module) -> None:
     """Run every model and decoder block under `module` by its Python modules (A/B measurements)."""
     for m in module.modules():
-        _STACKS[m] = (Watch(), None)  # nothing watched: the decision stands
+        _STACKS[m] = _CHAINS[m] = (Watch(), None)  # nothing watched: the decision stands

@@ -29,18 +29,26 @@ class ChainDraft:
     """
 
     def __init__(self, batch_size: int, k: int, vocab_size: int, device, p_min: float = 0.0, stop=None):
-        self.token_ids = torch.full((batch_size, k), -1, dtype=torch.long, device=device)  # [B, k]
+        # Tokens and confidences are kept on the host (what every step reads back anyway) and made
+        # tensors once, by `result`: [B][k], -1 / 0.0 where a row drafted nothing.
+        self.tokens = [[-1] * k for _ in range(batch_size)]
+        self.confidences = [[0.0] * k for _ in range(batch_size)]
         # [B, k, V], made by the first step that needs it: an all-greedy batch verifies by token
         # equality alone, so its drafts go out one-hot (None) and q is never stored.
         self.probs: torch.Tensor | None = None
         self.shape = (batch_size, k, vocab_size)
-        self.confidence = torch.zeros(batch_size, k, device=device)  # [B, k]
         self.num = [0] * batch_size
         self.device = device
-        self.p_min = p_min
+        self.p_min = float(torch.tensor(p_min, dtype=torch.float32))  # compared with float32 probabilities
         self.stop = stop
-        self.tops: list[list[float]] = [[] for _ in range(batch_size)]  # host confidences of kept drafts (stop only)
+        self.tops: list[list[float]] = [[] for _ in range(batch_size)]  # confidences of kept drafts (stop rule)
         self.forks: dict = {}  # row -> GrammarState after its drafted tokens (constrained rows)
+
+    @staticmethod
+    def one_hot(sampling: SamplingBatch) -> bool:
+        """An all-greedy, unadjusted batch: drafts are argmaxes of the raw logits, verified by token
+        equality (no q stored)."""
+        return sampling.all_greedy and not sampling.adjusts and not sampling.constrained
 
     def _grammar_masks(self, active: list[int], sampling: SamplingBatch, vocab: int) -> RowMasks | None:
         """Masks of the next draft token of the active constrained rows, from their forks."""
@@ -57,13 +65,12 @@ class ChainDraft:
 
     def add_step(self, active: list[int], step: int, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
         """logits [A, V] of the active rows -> the drafted token of each active row (-1 = stopped by p_min)."""
-        rows = torch.tensor(active, device=self.device)
         # An all-greedy, unadjusted batch: q is the softmax of the logits (temperature 1, no filter),
         # read for its top probability only, and not stored (verification compares tokens).
-        greedy = sampling.all_greedy and not sampling.adjusts and not sampling.constrained
-        sub = None if greedy else sampling.select(active)
+        sub = None if self.one_hot(sampling) else sampling.select(active)
         if sub is not None and (sub.adjusts or sampling.constrained):
-            sub = sub.with_context(self.token_ids[rows, :step], self._grammar_masks(active, sampling, logits.shape[-1]))
+            drafted = torch.tensor([self.tokens[b][:step] for b in active], dtype=torch.long, device=self.device)
+            sub = sub.with_context(drafted, self._grammar_masks(active, sampling, logits.shape[-1]))
             logits = adjust_logits(logits, sub)
         q = torch.softmax(logits, dim=-1) if sub is None else process_logits(logits, sub)  # [A, V]
         chosen = logits.argmax(dim=-1)
@@ -75,23 +82,28 @@ class ChainDraft:
         if sub is not None:
             if self.probs is None:
                 self.probs = torch.zeros(self.shape, device=self.device)
-            self.probs[rows, step] = q
-        top = q.max(dim=-1).values
-        self.confidence[rows, step] = top
-        if self.p_min > 0:
-            chosen = torch.where(top >= self.p_min, chosen, torch.full_like(chosen, -1))
-        self.token_ids[rows, step] = chosen
-        chosen_host = chosen.tolist()
-        for j, b in enumerate(active):  # constrained rows advance their fork; a token it refuses ends the row
-            if b in self.forks and chosen_host[j] >= 0 and not self.forks[b].accept(chosen_host[j]):
-                chosen_host[j] = -1
-                self.token_ids[b, step] = -1
-        tops = top.tolist() if self.stop is not None else [None] * len(active)
-        for b, token, t in zip(active, chosen_host, tops):
+            self.probs[torch.tensor(active, device=self.device), step] = q
+        return self.record(active, step, chosen.tolist(), q.max(dim=-1).values.tolist())
+
+    def record(self, active: list[int], step: int, chosen: list[int], tops: list[float]) -> list[int]:
+        """Position `step` of the active rows: each one's drafted token and its probability (the
+        confidence) -> the tokens kept (-1: stopped by p_min, or refused by the row's grammar)."""
+        kept = []
+        for b, token, top in zip(active, chosen, tops):
+            self.confidences[b][step] = top
+            if top < self.p_min or (b in self.forks and not self.forks[b].accept(token)):
+                token = -1  # a constrained row advances its fork; a token it refuses ends the row
             if token >= 0:
+                self.tokens[b][step] = token
                 self.num[b] += 1
-                self.tops[b].append(t)
-        return chosen_host
+                self.tops[b].append(top)
+            kept.append(token)
+        return kept
+
+    def set_confidence(self, rows: list[int], step: int, values: list[float]) -> None:
+        """Replace the confidences of position `step` (a drafter's own calibrated estimate)."""
+        for b, value in zip(rows, values):
+            self.confidences[b][step] = value
 
     def continuing(self, step: int, active: list[int], chosen: list[int], max_tokens: list[int]) -> list[int]:
         """The rows of `active` that draft position step + 1: not stopped by p_min, below their
@@ -103,4 +115,7 @@ class ChainDraft:
         return still
 
     def result(self) -> Draft:
-        return Draft(self.token_ids, torch.tensor(self.num, device=self.device), self.probs, self.confidence)
+        B, k, _ = self.shape
+        return Draft(torch.tensor(self.tokens, dtype=torch.long, device=self.device).reshape(B, k),
+                     torch.tensor(self.num, device=self.device), self.probs,
+                     torch.tensor(self.confidences, device=self.device).reshape(B, k))

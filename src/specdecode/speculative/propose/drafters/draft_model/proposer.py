@@ -11,14 +11,18 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.ragged import ForwardEntry
 from specdecode.engine.runner import Runner
+from specdecode.models.native_stack import current_or_rebuilt
 from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.draft_vocab import draft_head
+from specdecode.speculative.propose.native_step import NativeDraftStep
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -52,6 +56,9 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device, quantization,
                              compile=ctx.compile)
         self.p_min = ctx.config.draft_p_min
+        self.compiled = ctx.compile
+        self._native = None  # (what the C++ drafting step was built from, the step or None): native_step.py
+        self.native_drafting = True  # False: always the Python step (A/B measurements)
 
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         k = max(max_tokens)
@@ -63,6 +70,8 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
             seq, state = seqs[b], self.state(seqs[b])
             state.proposal_base, state.num_fed = seq.num_tokens, 0
             entries[b] = ForwardEntry(seq.slot, seq.token_ids[state.num_cached:], start=state.num_cached)
+        if self._draft_natively(seqs, active, entries, chain, max_tokens, sampling):
+            return chain.result()
         for step in range(k):
             if not active:
                 break
@@ -75,6 +84,24 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
                 entries[b] = ForwardEntry(seq.slot, [token[b]], start=seq.num_tokens + step)
                 self.state(seq).num_fed = step + 1
         return chain.result()
+
+    @torch.inference_mode()
+    def _draft_natively(self, seqs, active: list[int], entries: dict[int, ForwardEntry], chain: ChainDraft,
+                        max_tokens: list[int], sampling: SamplingBatch) -> bool:
+        """One greedy sequence: draft its chain one C++ call a step (native_step.py), where served."""
+        if len(active) != 1 or not ChainDraft.one_hot(sampling) or self.device.type != "cpu" or self.compiled \
+                or not self.native_drafting:
+            return False
+        self._native = current_or_rebuilt(self._native, lambda watch: NativeDraftStep.for_draft_model(self.model, watch))
+        native, (b,) = self._native[1], active
+        layers = native.layers_serving() if native is not None and entries[b].token_ids else None
+        if layers is None:
+            return False
+        seq, cache = seqs[b], self.runner.kv_cache
+        steps = native.draft(layers, chain, b, max_tokens, entries[b].token_ids, None, seq.slot, entries[b].start,
+                             seq.num_tokens, cache.k, cache.v)
+        self.state(seq).num_fed = steps - 1  # every drafted token but the last was fed back
+        return True
 
     def pending_tokens(self, seq) -> int:
         state = self._states.get(seq.request_id)

@@ -31,5 +31,5 @@ class DSparkProposer(DFlashProposer):
         prev = previous[index]
         chosen = chain.add_step(rows, step, self.drafter.markov_logits(base[index, step], prev), sampling)
         conf = self.drafter.calibrated(self.drafter.confidence_logit(hidden[index, step + 1], prev), step)
-        chain.confidence[torch.tensor(rows, device=self.device), step] = conf
+        chain.set_confidence(rows, step, conf.tolist())
         previous[index] = torch.tensor(chosen, device=self.device).clamp(min=0)

@@ -13,6 +13,7 @@ from specdecode.engine.ragged import ForwardEntry, build_attention, merge_rows
 from specdecode.errors import ConfigError
 from specdecode.models.inference import prepare_for_inference
 from specdecode.models.llama import KVCache, row_linear
+from specdecode.models.native_stack import current_or_rebuilt
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
@@ -20,6 +21,7 @@ from specdecode.speculative.propose.drafters.eagle.model import BuiltinMtpDrafte
 from specdecode.speculative.propose.draft_vocab import draft_head
 from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
+from specdecode.speculative.propose.native_step import NativeDraftStep
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -56,6 +58,9 @@ class EagleProposer(TargetFeatureBuffer):
         d2t = self.drafter.draft_to_target
         self.draft_heads = {id(head): draft_head(ctx, head, d2t) for head in self.drafter.heads(ctx.target)}
         self.draft_step = 0  # the drafting step being computed (built-in MTP picks its layer by it)
+        self.compiled = ctx.compile
+        self._native = None  # (what the C++ drafting step was built from, the step or None): native_step.py
+        self.native_drafting = True  # False: always the Python step (A/B measurements)
 
     def load_drafter(self, ctx: ProposerContext):
         """The drafter checkpoint speculative_config.model names (or the default model's), checked
@@ -133,6 +138,28 @@ class EagleProposer(TargetFeatureBuffer):
         self.draft_step += 1
         return self._forward(entries, features)[:, : features[0].shape[0]]  # [A, K, d]
 
+    def _native_step(self) -> NativeDraftStep | None:
+        """The drafter's greedy step as one C++ call (None: not served), rebuilt when its modules changed."""
+        self._native = current_or_rebuilt(
+            self._native, lambda watch: NativeDraftStep.for_feature_drafter(self.drafter, self.target, self.draft_heads,
+                                                                            watch))
+        return self._native[1]
+
+    def _draft_natively(self, seqs, active: list[int], first, chain: ChainDraft, max_tokens: list[int],
+                        sampling: SamplingBatch) -> bool:
+        """One greedy sequence: draft its chain one C++ call a step (native_step.py), where served."""
+        if len(active) != 1 or not ChainDraft.one_hot(sampling) or self.device.type != "cpu" or self.compiled \
+                or not self.native_drafting:
+            return False
+        (entry, feature), native = first[active[0]], self._native_step()
+        layers = native.layers_serving(feature) if native is not None and entry.token_ids else None
+        if layers is None:
+            return False
+        seq, cache = seqs[active[0]], self.drafter.cache_arguments(self.kv_cache, 0)
+        native.draft(layers, chain, active[0], max_tokens, entry.token_ids, feature[None], seq.slot, entry.start,
+                     seq.num_tokens - 1, [cache["cache_k"]], [cache["cache_v"]])
+        return True
+
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         if self.topk > 1:
@@ -141,6 +168,8 @@ class EagleProposer(TargetFeatureBuffer):
         chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min, stop)
         active = [b for b in range(B) if max_tokens[b] > 0]
         first = self._catch_up(seqs, active)
+        if self._draft_natively(seqs, active, first, chain, max_tokens, sampling):
+            return chain.result()
         entries = {b: e for b, (e, _) in first.items()}
         feats = {b: f for b, (_, f) in first.items()}
         for step in range(k):

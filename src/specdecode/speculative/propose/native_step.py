@@ -1,0 +1,137 @@
+"""A greedy chain-drafting step as one C++ call (`DraftStep` in kernels/decode_stack_cpu.cpp), for
+the feature drafters (EAGLE, EAGLE-3, MTP: `for_feature_drafter`) and draft models (`for_draft_model`).
+
+Why: on the default model (float32 activations, int8 weights, 2-core AVX2 EPYC) an EAGLE-3 drafting
+step measured ~1.25 ms through `EagleProposer`'s Python step, of which the block's C++ call and the
+head take ~0.4 ms: the rest is entry and mask building, the embedding, RoPE tables, the input norms
+and concatenation, the head's scatter into the full vocabulary and softmax / argmax / max over it
+(a draft model's step pays the same through the runner).
+
+Contract: the drafter's outputs, its cache and the drafted tokens are bit-identical to the Python
+step's (the same ops in the same order on the same kernels; tests/test_native_draft.py); the drafted
+token's probability (its confidence, read by p_min and D-Cut) is 1 / sum(exp(logits - max)), the
+softmax's maximum up to rounding.
+
+Served for one sequence of an all-greedy, unadjusted batch (`ChainDraft.one_hot`), outside autograd
+and `torch.compile`, where the layers are served by the C++ stack (models/native_stack.py), the
+drafter is a standard variant (not the target's own MTP layers), the embedding and the norms are
+plain modules in the activations' dtype, the head is a linear layer the stack computes (or a
+`ReducedHead` over one, its token ids ascending), and no forward hook sits on a module the step
+stands for. Anything else runs the Python step, as before.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdecode.kernels import decode_stack_cpu
+from specdecode.models.layers import RotaryEmbedding
+from specdecode.models.llama import NATIVE_TYPES, LlamaForCausalLM
+from specdecode.models.native_stack import (NativeStack, NotServed, Watch, native_block_for, native_stack_for,
+                                            norm_weight, served_linear)
+from specdecode.speculative.propose.chain import ChainDraft
+from specdecode.speculative.propose.draft_vocab import ReducedHead
+from specdecode.speculative.propose.drafters.eagle.model import Eagle1Drafter, Eagle3Drafter, EagleDrafter, MtpDrafter
+
+
+class NativeDraftStep:
+    """One drafter's greedy step as a C++ `DraftStep`. Build it with `for_feature_drafter` or
+    `for_draft_model`; they raise NotServed where a piece is not one the step reproduces, and
+    `watch` records what was looked at (a changed model is examined again)."""
+
+    def __init__(self, layers, embedding: nn.Module, rotary: nn.Module, inputs: tuple, head_norm: tuple,
+                 head: nn.Module, served_head: nn.Module, modules: list[nn.Module], watch: Watch):
+        """layers(): the stack serving the drafter's layers (or None); inputs: the C++ DraftStep's
+        (attn_input, embed norm, eps, feature norm, eps, fc); head_norm: (module or None, its owner's
+        attribute); head: the drafter's head and served_head what scores with it (itself, or a
+        ReducedHead over its frequent rows); modules: every other module the step stands for."""
+        extension = decode_stack_cpu.extension()
+        if extension is None:
+            raise NotServed("the decode-stack kernel is not built here")
+        self._layers = layers
+        self.dtype = dtype = watch.get(embedding, "weight").dtype
+        if type(embedding) is not nn.Embedding or embedding.max_norm is not None:
+            raise NotServed(f"embedding {embedding}")
+        if type(rotary) is not RotaryEmbedding:
+            raise NotServed(f"rotary {type(rotary).__name__}")
+        head_ids = None
+        if served_head is head:  # the whole vocabulary
+            linear = served_linear(head, "lm_head", dtype, watch, NATIVE_TYPES)
+        elif type(served_head) is ReducedHead:
+            linear = served_linear(watch.get(served_head, "rows"), "draft head", dtype, watch, NATIVE_TYPES)
+            head_ids = watch.get(served_head, "token_ids")
+            if len(head_ids) > 1 and not bool((head_ids[1:] > head_ids[:-1]).all()):
+                raise NotServed("draft head token ids not ascending")  # the first maximum would differ
+        else:
+            raise NotServed(f"draft head {type(served_head).__name__}")
+        hooks = torch.nn.modules.module
+        self._hooks = [hooks._global_forward_pre_hooks, hooks._global_forward_hooks]
+        self._hooks += [d for m in [*modules, embedding, rotary, head, served_head] if m is not None
+                        for d in (m._forward_pre_hooks, m._forward_hooks)]
+        self._step = extension.DraftStep(embedding.weight, watch.get(rotary, "inv_freq"),
+                                         watch.get(rotary, "attention_factor"), *inputs,
+                                         *_norm(*head_norm, dtype, watch), linear, head_ids)
+
+    @classmethod
+    def for_feature_drafter(cls, drafter: EagleDrafter, target: LlamaForCausalLM, draft_heads: dict[int, nn.Module],
+                            watch: Watch) -> "NativeDraftStep":
+        """EAGLE / EAGLE-3 / MTP (draft_heads: the proposer's head per drafter head, `draft_head`)."""
+        if type(drafter) not in (Eagle1Drafter, Eagle3Drafter, MtpDrafter):
+            raise NotServed(f"drafter {type(drafter).__name__}")
+        block = watch.get(drafter, "layer")
+        dtype = watch.get(block, "input_layernorm").weight.dtype
+        if isinstance(drafter, Eagle3Drafter):  # attention reads [norm(e) ; norm(f)], f is the residual
+            inputs = (True, *_norm(block, "input_layernorm", dtype, watch), *_norm(drafter, "hidden_norm", dtype, watch),
+                      None)
+        else:  # x = fc([e' ; f']), both normed for MTP
+            mtp = drafter if isinstance(drafter, MtpDrafter) else None
+            inputs = (False, *_norm(mtp, "embed_norm", dtype, watch), *_norm(mtp, "feature_norm", dtype, watch),
+                      served_linear(watch.get(drafter, "fc"), "fc", dtype, watch, NATIVE_TYPES))
+        head_norm = {Eagle3Drafter: (drafter, "norm"), MtpDrafter: (target.model, "norm")}.get(type(drafter), (None, ""))
+        head = watch.get(drafter if isinstance(drafter, Eagle3Drafter) else target, "lm_head")
+        return cls(lambda: native_block_for(block, NATIVE_TYPES), watch.get(target.model, "embed_tokens"),
+                   watch.get(drafter, "rotary"), inputs, head_norm, head, draft_heads.get(id(head)),
+                   list(drafter.modules()) + [getattr(*head_norm) if head_norm[0] is not None else None], watch)
+
+    @classmethod
+    def for_draft_model(cls, model: LlamaForCausalLM, watch: Watch) -> "NativeDraftStep":
+        """A draft model: its embeddings enter its stack (final norm included), then its head (which
+        may be a ReducedHead: FR-Spec)."""
+        if model.config.sliding_window is not None:
+            raise NotServed("a sliding window")
+        served_head = watch.get(model, "lm_head")
+        head = served_head.rows if type(served_head) is ReducedHead else served_head
+        return cls(lambda: native_stack_for(model, NATIVE_TYPES), watch.get(model.model, "embed_tokens"),
+                   watch.get(model.model, "rotary_emb"), (False, None, 0.0, None, 0.0, None), (None, ""), head,
+                   served_head, [], watch)
+
+    def layers_serving(self, features: torch.Tensor | None = None) -> NativeStack | None:
+        """The C++ stack of the drafter's layers, where it serves a step on these features now (else None)."""
+        if (features is not None and features.dtype != self.dtype) or torch.is_grad_enabled() or any(self._hooks):
+            return None
+        layers = self._layers()
+        return layers if layers is not None and layers.serves(self.dtype) else None
+
+    def draft(self, layers: NativeStack, chain: ChainDraft, row: int, max_tokens: list[int], tokens: list[int],
+              features: torch.Tensor | None, slot: int, start: int, next_start: int, cache_k: list[torch.Tensor],
+              cache_v: list[torch.Tensor]) -> int:
+        """Draft row `row` of `chain` greedily, one C++ call a step: the first step feeds tokens [T]
+        (and features [1, T, d]) at drafter positions start .., step s + 1 the token drafted at s (and
+        the drafter's output there) at `next_start + s`. Returns the number of steps run."""
+        for step in range(max_tokens[row]):
+            ids = torch.tensor([tokens], dtype=torch.long)
+            out, token, top = layers.draft_step(self._step, cache_k, cache_v, ids, features, slot, start)
+            tokens = chain.record([row], step, [token], [top])
+            if not chain.continuing(step, [row], tokens, max_tokens):
+                return step + 1
+            start = next_start + step
+            if features is not None:
+                features = out[:, -1:]
+        return max_tokens[row]
+
+
+def _norm(owner: nn.Module | None, name: str, dtype: torch.dtype, watch: Watch) -> tuple[torch.Tensor | None, float]:
+    """An RMSNorm attribute's (weight, eps) for the C++ step ((None, 0.0): none)."""
+    module = None if owner is None else watch.get(owner, name)
+    return norm_weight(module, dtype, watch), 0.0 if module is None else module.eps

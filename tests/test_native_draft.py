@@ -1,0 +1,122 @@
+"""A greedy chain-drafting step of EAGLE / EAGLE-3 / MTP and draft models as one C++ call
+(speculative/propose/native_step.py): the same drafts, the same drafter cache and the same outputs
+as the Python step, and the Python step wherever the C++ one does not serve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from specdecode import LLM, SamplingParams
+from specdecode.kernels import decode_stack_cpu, gemv_int8_cpu
+from specdecode.models.native_stack import NativeStack
+from specdecode.speculative.propose.drafters.draft_model import proposer as draft_model_proposer
+from specdecode.speculative.propose.drafters.eagle import proposer as eagle_proposer
+
+pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ step needs a C++ compiler")
+
+PROMPT = "def f(x):\n    return"
+
+
+@pytest.fixture
+def native_steps(monkeypatch) -> list[int]:
+    """How many drafting steps ran as C++ calls."""
+    calls: list[int] = []
+    step = NativeStack.draft_step
+
+    def counted(self, *args, **kwargs):
+        calls.append(1)
+        return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(NativeStack, "draft_step", counted)
+    return calls
+
+
+def _drafting(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[list, list, torch.Tensor]:
+    """(outputs, every proposal's (tokens, confidences), the drafter's KV cache afterwards)."""
+    proposer = llm.speculator.proposer
+    drafts = []
+    propose = proposer.propose
+
+    def recorded(*args, **kwargs):
+        draft = propose(*args, **kwargs)
+        drafts.append((draft.token_ids.clone(), draft.confidence.clone()))
+        return draft
+
+    proposer.propose = recorded
+    try:
+        outputs = [o.token_ids for o in llm.generate(prompts, params)]
+    finally:
+        del proposer.propose
+    cache = proposer.kv_cache if hasattr(proposer, "kv_cache") else proposer.runner.kv_cache
+    return outputs, drafts, torch.stack([k.clone() for k in cache.k])
+
+
+def _python_steps(monkeypatch):
+    monkeypatch.setattr(eagle_proposer.EagleProposer, "_draft_natively", lambda self, *args: False)
+    monkeypatch.setattr(draft_model_proposer.DraftModelProposer, "_draft_natively", lambda self, *args: False)
+
+
+def _assert_same_drafting(ours, theirs) -> None:
+    assert ours[0] == theirs[0]
+    assert len(ours[1]) == len(theirs[1])
+    for (tokens, confidence), (their_tokens, their_confidence) in zip(ours[1], theirs[1]):
+        assert torch.equal(tokens, their_tokens)
+        torch.testing.assert_close(confidence, their_confidence, rtol=1e-5, atol=1e-7)  # up to rounding
+    assert torch.equal(ours[2], theirs[2])  # the drafter's outputs fed its cache: bit-identical
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "eagle", "draft_model"])
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("float32", "int8"), ("bfloat16", None)])
+def test_native_steps_draft_what_the_python_steps_draft(native_model, native_drafter, trained_drafters, native_steps,
+                                                        monkeypatch, method, dtype, quantization):
+    if quantization == "int8" and not gemv_int8_cpu.fits(8, "cpu"):
+        pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
+    drafter = native_drafter if method == "draft_model" else trained_drafters[method]
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(drafter)}
+    llm = LLM(native_model, dtype=dtype, quantization=quantization, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = _drafting(llm, [PROMPT], params)
+    assert native_steps  # eagle3's reduced draft vocabulary (d2t) included
+    count = len(native_steps)
+    _python_steps(monkeypatch)
+    llm_python = LLM(native_model, dtype=dtype, quantization=quantization, speculative_config=spec)
+    _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
+    assert len(native_steps) == count
+
+
+@pytest.mark.parametrize("method", ["mtp", "draft_model"])
+def test_a_frequency_ranked_draft_vocabulary_is_served_too(native_model, native_drafter, trained_drafters, native_steps,
+                                                           monkeypatch, tmp_path, method):
+    # FR-Spec: the head cut to its 100 most frequent tokens (a ReducedHead, ids ascending).
+    vocab = json.loads((native_model / "config.json").read_text())["vocab_size"]
+    counts = torch.randint(1, 1000, (vocab,), generator=torch.Generator().manual_seed(0)).tolist()
+    (tmp_path / "freq.json").write_text(json.dumps({"counts": counts}))
+    drafter = native_drafter if method == "draft_model" else trained_drafters[method]
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(drafter),
+            "draft_vocab_size": 100, "draft_vocab_frequencies": str(tmp_path / "freq.json")}
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    ours = _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params)
+    assert native_steps
+    _python_steps(monkeypatch)
+    _assert_same_drafting(ours, _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params))
+
+
+def test_sampling_batches_and_hooks_keep_the_python_step(native_model, trained_drafters, native_steps):
+    spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(trained_drafters["eagle3"])}
+    llm = LLM(native_model, dtype="float32", max_num_seqs=2, speculative_config=spec)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate([PROMPT, "class A:\n"], greedy)  # two sequences side by side, finishing together
+    assert not native_steps
+    llm.generate([PROMPT], SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True))
+    assert not native_steps
+    seen = []
+    drafter = llm.speculator.proposer.drafter
+    handle = drafter.hidden_norm.register_forward_hook(lambda module, args, out: seen.append(out))
+    llm.generate([PROMPT], greedy)
+    assert seen and not native_steps  # a hooked module runs as a module
+    handle.remove()
+    llm.generate([PROMPT], greedy)
+    assert native_steps
