@@ -12,8 +12,6 @@ import torch
 from specdecode import LLM, SamplingParams
 from specdecode.kernels import decode_stack_cpu, gemv_int8_cpu
 from specdecode.models.native_stack import NativeStack
-from specdecode.speculative.propose.drafters.draft_model import proposer as draft_model_proposer
-from specdecode.speculative.propose.drafters.eagle import proposer as eagle_proposer
 
 pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ step needs a C++ compiler")
 
@@ -54,9 +52,9 @@ def _drafting(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[lis
     return outputs, drafts, torch.stack([k.clone() for k in cache.k])
 
 
-def _python_steps(monkeypatch):
-    monkeypatch.setattr(eagle_proposer.EagleProposer, "_draft_natively", lambda self, *args: False)
-    monkeypatch.setattr(draft_model_proposer.DraftModelProposer, "_draft_natively", lambda self, *args: False)
+def _python_steps(llm: LLM) -> LLM:
+    llm.speculator.proposer.native_drafting = False
+    return llm
 
 
 def _assert_same_drafting(ours, theirs) -> None:
@@ -71,7 +69,7 @@ def _assert_same_drafting(ours, theirs) -> None:
 @pytest.mark.parametrize("method", ["eagle3", "mtp", "eagle", "draft_model"])
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("float32", "int8"), ("bfloat16", None)])
 def test_native_steps_draft_what_the_python_steps_draft(native_model, native_drafter, trained_drafters, native_steps,
-                                                        monkeypatch, method, dtype, quantization):
+                                                        method, dtype, quantization):
     if quantization == "int8" and not gemv_int8_cpu.fits(8, "cpu"):
         pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
     drafter = native_drafter if method == "draft_model" else trained_drafters[method]
@@ -81,15 +79,14 @@ def test_native_steps_draft_what_the_python_steps_draft(native_model, native_dra
     ours = _drafting(llm, [PROMPT], params)
     assert native_steps  # eagle3's reduced draft vocabulary (d2t) included
     count = len(native_steps)
-    _python_steps(monkeypatch)
-    llm_python = LLM(native_model, dtype=dtype, quantization=quantization, speculative_config=spec)
+    llm_python = _python_steps(LLM(native_model, dtype=dtype, quantization=quantization, speculative_config=spec))
     _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
     assert len(native_steps) == count
 
 
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
 def test_a_frequency_ranked_draft_vocabulary_is_served_too(native_model, native_drafter, trained_drafters, native_steps,
-                                                           monkeypatch, tmp_path, method):
+                                                           tmp_path, method):
     # FR-Spec: the head cut to its 100 most frequent tokens (a ReducedHead, ids ascending).
     vocab = json.loads((native_model / "config.json").read_text())["vocab_size"]
     counts = torch.randint(1, 1000, (vocab,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -100,8 +97,10 @@ def test_a_frequency_ranked_draft_vocabulary_is_served_too(native_model, native_
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     ours = _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params)
     assert native_steps
-    _python_steps(monkeypatch)
-    _assert_same_drafting(ours, _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params))
+    count = len(native_steps)
+    llm_python = _python_steps(LLM(native_model, dtype="float32", speculative_config=spec))
+    _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
+    assert len(native_steps) == count
 
 
 def test_sampling_batches_and_hooks_keep_the_python_step(native_model, trained_drafters, native_steps):

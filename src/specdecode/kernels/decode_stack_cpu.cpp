@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
+#include <cmath>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -399,12 +400,16 @@ class DraftStep {
     // The head at the last position (EagleProposer.vocab_logits; a draft model's compute_logits).
     auto h = out.select(1, T - 1);  // [1, d]
     if (head_norm_.has_value()) h = rms_norm_op(h, *head_norm_, head_eps_);
-    const auto scores = head_(h.reshape({-1, h.size(-1)})).to(torch::kFloat);  // [1, n]
-    const auto best = scores.argmax(-1);  // the first maximum, as the full vocabulary's argmax (ids ascend)
-    const double top = (scores - scores.gather(-1, best.unsqueeze(-1))).exp().sum().reciprocal().item<float>();
-    int64_t index = best.item<int64_t>();
-    if (head_ids_.has_value()) index = (*head_ids_)[index].item<int64_t>();
-    return {out, index, top};
+    const auto scores = head_(h.reshape({-1, h.size(-1)})).to(torch::kFloat).contiguous();  // [1, n]
+    // The first maximum (NaN counts as the largest, as torch.argmax), which is the full vocabulary's
+    // argmax as the reduced head's ids ascend; then its probability.
+    const float* s = scores.data_ptr<float>();
+    int64_t best = 0;
+    for (int64_t i = 1, n = scores.size(-1); i < n && !std::isnan(s[best]); ++i)
+      if (s[i] > s[best] || std::isnan(s[i])) best = i;
+    const double top = (scores - s[best]).exp_().sum().reciprocal().item<float>();
+    const int64_t token = head_ids_.has_value() ? head_ids_->data_ptr<int64_t>()[best] : best;
+    return {out, token, top};
   }
 
  private:

@@ -61,6 +61,8 @@ class NativeDraftStep:
         elif type(served_head) is ReducedHead:
             linear = served_linear(watch.get(served_head, "rows"), "draft head", dtype, watch, NATIVE_TYPES)
             head_ids = watch.get(served_head, "token_ids")
+            if head_ids.dtype != torch.long or not head_ids.is_contiguous() or head_ids.device.type != "cpu":
+                raise NotServed("draft head token ids not int64 on the CPU")
             if len(head_ids) > 1 and not bool((head_ids[1:] > head_ids[:-1]).all()):
                 raise NotServed("draft head token ids not ascending")  # the first maximum would differ
         else:
