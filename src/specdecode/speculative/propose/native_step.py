@@ -133,6 +133,12 @@ class NativeDraftStep:
         return max_tokens[row]
 
 
+def one_greedy_sequence(active: list[int], sampling, device: torch.device, compiled: bool, enabled: bool) -> bool:
+    """Whether a proposal may draft through the C++ step: one sequence of an all-greedy, unadjusted
+    batch, on a CPU, eager, and the proposer's `native_drafting` on."""
+    return len(active) == 1 and ChainDraft.one_hot(sampling) and device.type == "cpu" and not compiled and enabled
+
+
 def _norm(owner: nn.Module | None, name: str, dtype: torch.dtype, watch: Watch) -> tuple[torch.Tensor | None, float]:
     """An RMSNorm attribute's (weight, eps) for the C++ step ((None, 0.0): none)."""
     module = None if owner is None else watch.get(owner, name)

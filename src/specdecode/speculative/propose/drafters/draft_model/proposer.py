@@ -16,13 +16,13 @@ import torch
 from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.engine.ragged import ForwardEntry
 from specdecode.engine.runner import Runner
-from specdecode.models.native_stack import current_or_rebuilt
 from specdecode.errors import ConfigError
 from specdecode.models.loader import load_model
+from specdecode.models.native_stack import current_or_rebuilt
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.draft_vocab import draft_head
-from specdecode.speculative.propose.native_step import NativeDraftStep
+from specdecode.speculative.propose.native_step import NativeDraftStep, one_greedy_sequence
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -89,8 +89,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
     def _draft_natively(self, seqs, active: list[int], entries: dict[int, ForwardEntry], chain: ChainDraft,
                         max_tokens: list[int], sampling: SamplingBatch) -> bool:
         """One greedy sequence: draft its chain one C++ call a step (native_step.py), where served."""
-        if len(active) != 1 or not ChainDraft.one_hot(sampling) or self.device.type != "cpu" or self.compiled \
-                or not self.native_drafting:
+        if not one_greedy_sequence(active, sampling, self.device, self.compiled, self.native_drafting):
             return False
         self._native = current_or_rebuilt(self._native, lambda watch: NativeDraftStep.for_draft_model(self.model, watch))
         native, (b,) = self._native[1], active

@@ -21,7 +21,7 @@ from specdecode.speculative.propose.drafters.eagle.model import BuiltinMtpDrafte
 from specdecode.speculative.propose.draft_vocab import draft_head
 from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
-from specdecode.speculative.propose.native_step import NativeDraftStep
+from specdecode.speculative.propose.native_step import NativeDraftStep, one_greedy_sequence
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -148,8 +148,7 @@ class EagleProposer(TargetFeatureBuffer):
     def _draft_natively(self, seqs, active: list[int], first, chain: ChainDraft, max_tokens: list[int],
                         sampling: SamplingBatch) -> bool:
         """One greedy sequence: draft its chain one C++ call a step (native_step.py), where served."""
-        if len(active) != 1 or not ChainDraft.one_hot(sampling) or self.device.type != "cpu" or self.compiled \
-                or not self.native_drafting:
+        if not one_greedy_sequence(active, sampling, self.device, self.compiled, self.native_drafting):
             return False
         (entry, feature), native = first[active[0]], self._native_step()
         layers = native.layers_serving(feature) if native is not None and entry.token_ids else None
