@@ -89,10 +89,6 @@ class NativeStack:
         if not isinstance(first_norm, RMSNorm):
             raise NotServed(f"block {type(blocks[0]).__name__}")
         self.dtype = first_norm.weight.dtype
-        # Forward hooks of the modules the stack stands for (and global ones): checked per forward, as
-        # the C++ stack calls none (exact/bisect.py records every module's output through them).
-        hooks = torch.nn.modules.module
-        self._hooks = [hooks._global_forward_pre_hooks, hooks._global_forward_hooks]
 
         def linear(owner: nn.Module, name: str):
             return served_linear(watch.get(owner, name), name, self.dtype, watch, types)
@@ -112,9 +108,7 @@ class NativeStack:
                 *(norm_weight(n, self.dtype, watch) for n in norms), norms[0].eps,
                 linear(attn, "qkv"), linear(attn, "o_proj"), linear(mlp, "gate_up"), linear(mlp, "down_proj"),
                 attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features))
-            self._hooks += [d for m in block.modules() for d in (m._forward_pre_hooks, m._forward_hooks)]
-        if final_norm is not None:
-            self._hooks += [final_norm._forward_pre_hooks, final_norm._forward_hooks]
+        self._hooks = forward_hooks([*(m for block in blocks for m in block.modules()), final_norm])
         # The modules' cached attention takes the attention op in every forward the stack serves
         # (eager, no autograd, CPU) where it is built: so does the stack.
         self._stack = extension.Stack(layers, norm_weight(final_norm, self.dtype, watch),
@@ -181,9 +175,7 @@ class NativeChain:
             raise NotServed(f"rotary {type(rotary).__name__}")
         head = watch.get(model, "lm_head")
         modules = [model, model.model, embedding, rotary, head]
-        hooks = torch.nn.modules.module
-        self._hooks = [hooks._global_forward_pre_hooks, hooks._global_forward_hooks]
-        self._hooks += [d for m in modules for d in (m._forward_pre_hooks, m._forward_hooks)]
+        self._hooks = forward_hooks(modules)
         self._chain = extension.ChainForward(embedding.weight, watch.get(rotary, "inv_freq"),
                                              watch.get(rotary, "attention_factor"),
                                              served_linear(head, "lm_head", self.dtype, watch, types))
@@ -199,6 +191,15 @@ class NativeChain:
         hidden, tapped, logits = stack.chain_forward(self._chain, kv_cache.k, kv_cache.v, ids, slot, start,
                                                      num_logits, taps)
         return hidden, dict(zip(taps, tapped)), logits
+
+
+def forward_hooks(modules: list[nn.Module | None]) -> list[dict]:
+    """The forward (pre-)hook dicts of these modules and the global ones: a C++ path that stands for
+    the modules calls none, so it serves only while every one is empty (`any(hooks)`, per call;
+    exact/bisect.py records every module's output through them)."""
+    hooks = torch.nn.modules.module
+    return [hooks._global_forward_pre_hooks, hooks._global_forward_hooks,
+            *(d for m in modules if m is not None for d in (m._forward_pre_hooks, m._forward_hooks))]
 
 
 def norm_weight(norm: nn.Module | None, dtype: torch.dtype, watch: Watch) -> torch.Tensor | None:

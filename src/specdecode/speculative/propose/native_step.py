@@ -28,8 +28,8 @@ from torch import nn
 from specdecode.kernels import decode_stack_cpu
 from specdecode.models.layers import RotaryEmbedding
 from specdecode.models.llama import NATIVE_TYPES, LlamaForCausalLM
-from specdecode.models.native_stack import (NativeStack, NotServed, Watch, native_block_for, native_stack_for,
-                                            norm_weight, served_linear)
+from specdecode.models.native_stack import (NativeStack, NotServed, Watch, forward_hooks, native_block_for,
+                                            native_stack_for, norm_weight, served_linear)
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.draft_vocab import ReducedHead
 from specdecode.speculative.propose.drafters.eagle.model import Eagle1Drafter, Eagle3Drafter, EagleDrafter, MtpDrafter
@@ -67,10 +67,7 @@ class NativeDraftStep:
                 raise NotServed("draft head token ids not ascending")  # the first maximum would differ
         else:
             raise NotServed(f"draft head {type(served_head).__name__}")
-        hooks = torch.nn.modules.module
-        self._hooks = [hooks._global_forward_pre_hooks, hooks._global_forward_hooks]
-        self._hooks += [d for m in [*modules, embedding, rotary, head, served_head] if m is not None
-                        for d in (m._forward_pre_hooks, m._forward_hooks)]
+        self._hooks = forward_hooks([*modules, embedding, rotary, head, served_head])
         self._step = extension.DraftStep(embedding.weight, watch.get(rotary, "inv_freq"),
                                          watch.get(rotary, "attention_factor"), *inputs,
                                          *_norm(*head_norm, dtype, watch), linear, head_ids)
