@@ -10,7 +10,7 @@
 // row's result still does not depend on the rows beside it wherever the Python path's did not.
 //
 // It serves what models/native_stack.py checks: standard attention (GQA, optional q/k norm and
-// biases), a dense SwiGLU MLP, dense, int8 or int4 linear layers, a batch whose sequences are contiguous
+// biases), a dense SwiGLU MLP, dense, packed bf16, int8 or int4 linear layers, a batch whose sequences are contiguous
 // cache rows writing the same columns (decode, chain verification, prefill of one sequence), not
 // exact mode.
 // RoPE's products and sum must round separately, as PyTorch's ops round them (the build passes
@@ -54,6 +54,23 @@ at::Tensor int4_linear_op(const at::Tensor& x, const at::Tensor& packed, const a
   return op.call(x, packed, scale_offsets, few_bias, N, group, few_upto, dense, qweight, qscales, bias);
 }
 
+// specdecode_bf16::gemm_bf16 (gemv_cpu.cpp), the few-row bf16 kernel (its extension loaded first).
+at::Tensor gemm_bf16_op(const at::Tensor& x, const at::Tensor& blocked, const OptTensor& bias, int64_t N) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specdecode_bf16::gemm_bf16", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>();
+  return op.call(x, blocked, bias, N);
+}
+
+// mkldnn::_linear_pointwise, oneDNN's matmul on a pre-packed weight (models/inference.py PackedLinear).
+at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, const OptTensor& bias) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, c10::string_view,
+                                         c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<at::Scalar>>(), c10::string_view(""));
+}
+
 // specdecode_norm::rms_norm (rms_norm_cpu.cpp), the kernel models/layers.py RMSNorm calls.
 at::Tensor rms_norm_op(const at::Tensor& x, const at::Tensor& weight, double eps) {
   static auto op = c10::Dispatcher::singleton()
@@ -77,17 +94,32 @@ at::Tensor cached_attention_op(const at::Tensor& q, const at::Tensor& keys, cons
 
 // One linear layer as its Python module computes it: an int8 QuantizedLinear with its few-row
 // kernel attached (the int8_linear op's arguments), an int4 QuantizedLinear with its few-row kernel
-// attached (int4_linear's), or a dense weight: an nn.Linear, a FusedLinear, a quantised layer's
-// dequantised copy (at::linear).
+// attached (int4_linear's), a PackedLinear (oneDNN's packed weight, and the few-row bf16 kernel's
+// layout up to `few_upto` rows), or a dense weight: an nn.Linear, a FusedLinear, a quantised
+// layer's dequantised copy (at::linear).
 struct Linear {
-  int bits = 0;          // 0: dense; 8 or 4: the few-row op of that width
-  torch::Tensor weight;  // dense [N, K]; int8 / int4: the few-row kernel's weight layout
-  OptTensor bias;        // dense: the bias; int8 / int4: the bias in the activations' dtype (fallback paths)
+  int bits = 0;          // 0: dense; 8 or 4: the few-row op of that width; 16: packed bf16/fp16
+  torch::Tensor weight;  // dense [N, K]; int8 / int4: the few-row kernel's weight layout; packed: oneDNN's
+  OptTensor bias;        // dense, packed: the bias; int8 / int4: the bias in the activations' dtype (fallback paths)
   torch::Tensor few_scales;  // int8: scales; int4: scales and offsets
   OptTensor few_bias, dense, qweight, qscales;
-  int64_t out_features = 0, few_upto = 0, group = 0;
+  OptTensor few_blocked;  // packed: the few-row bf16 kernel's layout, served up to few_upto rows (or none)
+  // int8 / int4: the dequantised weight packed for oneDNN, which forwards from wide_from rows on take
+  // (QuantizedLinear.wide, verification widths), with its bias
+  OptTensor wide, wide_bias;
+  int64_t out_features = 0, few_upto = 0, group = 0, wide_from = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
+    if (wide.has_value() && x.numel() >= wide_from * x.size(-1)) return packed_linear_op(x, *wide, wide_bias);
+    if (bits == 16) {  // PackedLinear._matmul
+      const int64_t K = x.size(-1);
+      if (few_blocked.has_value() && x.numel() <= few_upto * K) {
+        auto out_shape = x.sizes().vec();
+        out_shape.back() = out_features;
+        return gemm_bf16_op(x.reshape({-1, K}), *few_blocked, bias, out_features).view(out_shape);
+      }
+      return packed_linear_op(x, weight, bias);
+    }
     if (bits == 8)
       return int8_linear_op(x, weight, few_scales, few_bias, out_features, few_upto, dense, qweight, qscales, bias);
     if (bits == 4)
@@ -134,6 +166,26 @@ Linear int4_linear(torch::Tensor packed, torch::Tensor scale_offsets, OptTensor 
                    OptTensor bias) {
   return few_rows_linear(4, std::move(packed), std::move(scale_offsets), std::move(few_bias), out_features, group,
                          few_upto, std::move(dense), std::move(qweight), std::move(qscales), std::move(bias));
+}
+
+Linear packed_linear(torch::Tensor packed, OptTensor bias, int64_t out_features, OptTensor few_blocked,
+                     int64_t few_upto) {
+  Linear l;
+  l.bits = 16;
+  l.weight = std::move(packed);
+  l.bias = std::move(bias);
+  l.out_features = out_features;
+  l.few_blocked = std::move(few_blocked);
+  l.few_upto = few_upto;
+  return l;
+}
+
+// An int8 / int4 layer that also keeps a wide copy (QuantizedLinear._matmul checks it first).
+Linear with_wide(Linear l, torch::Tensor wide, OptTensor wide_bias, int64_t wide_from) {
+  l.wide = std::move(wide);
+  l.wide_bias = std::move(wide_bias);
+  l.wide_from = wide_from;
+  return l;
 }
 
 struct Layer {
@@ -433,6 +485,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"));
   m.def("int8_linear", &int8_linear, "an int8 layer: specdecode_int8::int8_linear with these arguments");
   m.def("int4_linear", &int4_linear, "an int4 layer: specdecode_int4::int4_linear with these arguments");
+  m.def("with_wide", &with_wide, "the layer, from wide_from rows on mkldnn::_linear_pointwise on `wide`");
+  m.def("packed_linear", &packed_linear,
+        "a PackedLinear: specdecode_bf16::gemm_bf16 on few_blocked up to few_upto rows, else mkldnn::_linear_pointwise");
   py::class_<Layer>(m, "Layer")
       .def(py::init([](torch::Tensor input_norm, torch::Tensor post_norm, OptTensor q_norm, OptTensor k_norm,
                        double eps, Linear qkv, Linear o_proj, Linear gate_up, Linear down, int64_t num_heads,

@@ -152,6 +152,14 @@ torch::Tensor gemm_bf16(const torch::Tensor& x, const torch::Tensor& w, const c1
   return y;
 }
 
+// Registered with the dispatcher (torch.ops.specdecode_bf16.gemm_bf16): models/inference.py's PackedLinear
+// and the C++ layer stack (decode_stack_cpu.cpp) call the same op.
+TORCH_LIBRARY(specdecode_bf16, m) {
+  m.def("gemm_bf16(Tensor x, Tensor blocked, Tensor? bias, int out_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(specdecode_bf16, CPU, m) { m.impl("gemm_bf16", &gemm_bf16); }
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemm_bf16", &gemm_bf16, "x [M, K] @ W^T, W bf16 blocked (few rows)");
+  // Nothing here: the op is registered with the dispatcher above (torch.ops.specdecode_bf16).
 }

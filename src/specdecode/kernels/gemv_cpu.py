@@ -23,7 +23,7 @@ REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 @functools.cache
 def _extension():
     """The built module, or None where the CPU lacks AVX-512 BF16, the kernels are turned off or
-    the build failed (logged once)."""
+    the build failed (logged once); loading it registers `torch.ops.specdecode_bf16.gemm_bf16`."""
     return build.optional_extension("gemv_kernels", SOURCE, "SPECDECODE_FEW_ROW_KERNELS", REQUIRED_FLAGS,
                                     "oneDNN serves instead")
 
@@ -42,4 +42,4 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
 def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,
                           out_features: int) -> torch.Tensor:
     """x [M, K] bf16 -> [M, N] bf16 (bias [N] bf16 or None)."""
-    return _extension().gemm_bf16(x, blocked, bias, out_features)
+    return torch.ops.specdecode_bf16.gemm_bf16(x, blocked, bias, out_features)

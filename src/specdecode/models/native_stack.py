@@ -8,11 +8,14 @@ order, so its results are bit-identical to the modules' (tests/test_native_stack
 
 It serves a forward when every piece is one it reproduces: standard attention (not MLA / DSA),
 dense SwiGLU MLPs, linear layers that are dense (`nn.Linear`, `FusedLinear`) or `QuantizedLinear`s
-on a path it reproduces (int8 with its few-row kernel attached, or the dequantised dense copy their
-forward multiplies float32 activations by; no wide copy, no exact-mode row tiling), RMSNorm weights
+on a path it reproduces (int8 / int4 with its few-row kernel attached, and a packed wide copy for
+verification widths, or the dequantised dense copy their forward multiplies float32 activations by;
+no exact-mode row tiling), RMSNorm weights
 in the activations' dtype; and a batch of contiguous cache rows writing the same columns (decode,
 chain and tree verification at batch 1, equal-length batches), outside exact mode, autograd,
-forward hooks and `torch.compile`. Anything else runs the Python modules, as before.
+forward hooks and `torch.compile`. Packed bf16/fp16 layers (`PackedLinear`, on CPUs with AVX-512)
+run the same oneDNN op and few-row bf16 kernel as their module. Anything else runs the Python
+modules, as before.
 
 The stack holds the layers' tensors; `Watch.current()` checks, per forward, that the modules still
 hold the same layers and kernels (exact mode detaches kernels, quantisation swaps layers), so a
@@ -216,13 +219,28 @@ def norm_weight(norm: nn.Module | None, dtype: torch.dtype, watch: Watch) -> tor
 def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch, types: ServedTypes):
     """A linear layer as the C++ code computes it (a `Linear` of decode_stack_cpu.cpp): the path its
     module takes for activations of `dtype`; raises NotServed where that path is not reproduced."""
+    from specdecode.models.inference import PackedLinear  # here: inference.py imports this module's importers
+
     extension = decode_stack_cpu.extension()
+    if type(layer) is PackedLinear:  # its _matmul: the few-row bf16 kernel up to its width, else oneDNN
+        if watch.get(layer, "row_tiling") is not None or layer.dtype != dtype:
+            raise NotServed(f"{name}: a row tiling or weight dtype {layer.dtype}")
+        few_rows = watch.get(layer, "few_rows")
+        return extension.packed_linear(watch.get(layer, "packed"), watch.get(layer, "bias"), layer.out_features,
+                                       *(few_rows if few_rows is not None else (None, 0)))
     if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
-        if watch.get(layer, "wide") is not None or watch.get(layer, "row_tiling") is not None:
-            raise NotServed(f"{name}: a wide copy or a row tiling")
+        if watch.get(layer, "row_tiling") is not None:
+            raise NotServed(f"{name}: a row tiling")
+        wide = watch.get(layer, "wide")  # (its dense copy, packed, the width from which it serves)
+        if wide is not None and (type(wide[0]) is not PackedLinear or wide[0].few_rows is not None
+                                 or wide[0].row_tiling is not None or wide[0].dtype != dtype):
+            raise NotServed(f"{name}: wide copy {wide[0]}")
         if watch.get(layer, "few_rows") is not None:  # the few-row op of its width (int8 or int4)
             few_rows = extension.int8_linear if watch.get(layer, "scheme").bits == 8 else extension.int4_linear
-            return few_rows(*layer.few_rows_arguments(dtype, layer.qweight.device))
+            served = few_rows(*layer.few_rows_arguments(dtype, layer.qweight.device))
+            return served if wide is None else extension.with_wide(served, wide[0].packed, wide[0].bias, wide[1])
+        if wide is not None:
+            raise NotServed(f"{name}: a wide copy beside PyTorch's int kernels")
         if layer.uses_dense_copy(dtype, layer.qweight.device):  # what its forward runs: F.linear
             return extension.dense_linear(layer.dense_weight(dtype), layer.bias_as(dtype))
         raise NotServed(f"{name}: PyTorch's int kernels")
