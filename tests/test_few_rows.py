@@ -18,13 +18,13 @@ def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
     return (torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05).bfloat16()
 
 
-@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (1024, 512), (37, 1408)])
+@pytest.mark.parametrize("n,k", [(16, 32), (40, 64), (1024, 512), (37, 1408), (130, 6)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_kernel_computes_the_matmul(n, k, bias):
     w = _weight(n, k)
     b = (torch.randn(n) * 0.1).bfloat16() if bias else None
     blocked = gemv_cpu.block_weight(w)
-    for m in (1, 2, 3, 4, 5, 9, 16):
+    for m in (1, 2, 3, 4, 5, 6, 7, 9, 13, 16):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
         ref = x.float() @ w.float().T + (b.float() if bias else 0)  # [m, n] in float32
         out = gemv_cpu.few_rows_linear(x, blocked, b, n)
@@ -78,9 +78,9 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernel_probe, "faster_by_width", faster)
     model = torch.nn.Sequential(PackedLinear(_weight(64, 32), None), PackedLinear(_weight(64, 32, 1), None),
-                                PackedLinear(_weight(32, 64), None), PackedLinear(_weight(8, 40), None))
+                                PackedLinear(_weight(32, 64), None), PackedLinear(_weight(8, 41), None))
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 1, "64x32": 1}
-    assert probes == [32, 64]  # one probe per shape; 40 inputs are no multiple of 32: not probed
+    assert probes == [32, 64]  # one probe per shape; 41 inputs are no multiple of 2: not probed
     assert [m.few_rows and m.few_rows[1] for m in model] == [1, 1, 1, None]
     x = torch.randn(1, 32).bfloat16()
     assert torch.equal(model[1](x), gemv_cpu.few_rows_linear(x, model[1].few_rows[0], None, 64))

@@ -1,130 +1,89 @@
-// Few-row bf16 matmuls for decoding (CPU, AVX-512 BF16): y[M, N] = x[M, K] @ W[N, K]^T for the
-// 1-2 rows of a decode or drafting step.
+// Few-row bf16 matmuls for decoding and verification (CPU, AVX-512 BF16): y[M, N] = x[M, K] @ W[N, K]^T
+// for the 1-16 rows of a decode, drafting or verification step.
 //
-// One row multiplies every weight once, so the cost is reading the weights: oneDNN's packed bf16
-// matmul reads them at 25-29 GB/s at one row here (2 threads, the default model's 25 layers
-// in turn), where the caches give 50. This kernel streams them from a layout made at load time,
-//   blocked [N / 16, K / 32, 16, 32]: 16 output channels' next 32 inputs are one contiguous 1 KB,
-// so the matrix is read front to back in one stream, split over threads by blocks of outputs.
-// A block keeps R x J = 16 fp32 accumulators in registers (R <= 4 rows at a time, J = 16 / R
-// outputs per pass; later passes read the block from L1/L2), multiplies with vdpbf16ps (pairs of
-// bf16 products summed into fp32) and reduces all 16 accumulators in one shuffle tree.
-// Measured (BENCHMARKS.md): 1.08-1.34 ms against oneDNN's 1.52-1.76 at one row, 1.20-1.73 /
-// 1.54-1.89 at two; from three rows on oneDNN (AMX or AVX-512 GEMM) is faster, so a served layer
-// takes this kernel for eager forwards of 1-2 rows where its shape measured faster
-// (models/inference.py attach_few_row_kernels).
+// One row multiplies every weight once, so its cost is reading the weights; a verification of R rows
+// should cost about the same, since each weight read can serve all R rows. oneDNN's packed bf16 matmul
+// reads the default model's 25 layers in 1.78 ms at one row and 1.87 / 2.16 ms at 5 / 9 rows here
+// (2 threads, the layers in turn: weights from memory), where this kernel's first version (a dot
+// product per output, reduced at the end) took 1.12 ms at one row but 1.97 / 2.96 at 2 / 5.
 //
-// Each row's result is computed by the same instruction sequence whatever M is (the rows of a
-// group only share the weights' loads), so a row's output does not depend on its neighbours.
+// This one is the broadcast form. Layout (made at load time): [ceil(N / 64), K / 2, 64, 2], the 64
+// outputs of a group, two inputs each, contiguous per input pair (256 bytes), so a group is one
+// front-to-back stream. A tile of R <= 6 rows x 64 outputs keeps R x 4 fp32 accumulators in zmm
+// registers; for each input pair it loads the group's 4 weight vectors once and, per row, broadcasts
+// the row's two inputs and multiplies them into the accumulators with vdpbf16ps (the pair's two
+// products added to the fp32 sums). More rows take further tiles, which read the group's weights
+// from L2. No horizontal reduction: lane n of an accumulator is output n's sum.
+//
+// Each row's outputs are the same chain of vdpbf16ps over the input pairs in order, whatever M is
+// or which tile the row sits in, so a row's result does not depend on the rows beside it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <cstring>
+
 namespace {
 
-constexpr int64_t kBlockN = 16;  // output channels per block
-constexpr int64_t kBlockK = 32;  // inputs per step (one vdpbf16ps)
-constexpr int64_t kMaxRows = 4;  // rows sharing one pass over a block's weights
+constexpr int64_t kGroupN = 64;  // output channels per group (4 vectors of 16 fp32 sums)
+constexpr int kVectors = kGroupN / 16;
+constexpr int kMaxRows = 6;      // rows per tile: 6 x 4 accumulators + 4 weights + a broadcast fit 32 registers
 
-// Sums of 16 vectors' lanes as one vector, lane i holding one vector's sum (`ReduceOrder` says
-// which). Each vector's lanes are added in the same pattern wherever it sits among the 16, so a
-// row's results do not depend on the rows reduced beside it.
-inline __m512 reduce16x16(__m512 v[16]) {
-  __m512 a[8], b[4], c[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i)  // [v0.q0+v0.q2, v0.q1+v0.q3, v1.q0+v1.q2, v1.q1+v1.q3]
-    a[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-#pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i)  // four vectors' sums over quads
-    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xDD));
-#pragma GCC unroll 2
-  for (int i = 0; i < 2; ++i)  // pairs within 128-bit lanes
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0x44),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x88), _mm512_shuffle_ps(c[0], c[1], 0xDD));
-}
-
-// Which of the 16 vectors each lane of reduce16x16 holds, found once by reducing labelled vectors.
-struct ReduceOrder {
-  __m512i to_vector;  // permutation: lane i of the output = lane to_vector[i] of the reduction
-  ReduceOrder() {
-    __m512 v[16];
-    for (int i = 0; i < 16; ++i) v[i] = _mm512_set1_ps(static_cast<float>(i) / 16.0f);
-    alignas(64) float lanes[16];
-    _mm512_store_ps(lanes, reduce16x16(v));
-    alignas(64) int32_t perm[16];
-    for (int lane = 0; lane < 16; ++lane) perm[static_cast<int>(lanes[lane] + 0.5f)] = lane;
-    to_vector = _mm512_load_si512(perm);
-  }
-};
-
-const ReduceOrder& reduce_order() {
-  static const ReduceOrder order;
-  return order;
-}
-
-// Outputs [n0, n0 + J) of one block for R rows, J = 16 / R (R = 3 takes J = 4 and pads): R x J
-// accumulators over all K stay in registers, and one reduction gives all their sums. Blocks of
-// 16 outputs take 16 / J passes; later passes read the block's weights from L1/L2, not memory.
-template <int R, int J>
-inline void block_rows(const at::BFloat16* x, int64_t ldx, const at::BFloat16* wblock, int64_t K, int64_t n0, int64_t j0,
-                       int64_t N, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
-  __m512 acc[16];
-#pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-  const int64_t steps = K / kBlockK;
-  for (int64_t s = 0; s < steps; ++s) {
-    const at::BFloat16* w = wblock + (s * kBlockN + j0) * kBlockK;
-    __m512bh xv[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
-      xv[r] = (__m512bh)_mm512_loadu_si512(x + r * ldx + s * kBlockK);
-#pragma GCC unroll 16
-    for (int j = 0; j < J; ++j) {
-      __m512bh wv = (__m512bh)_mm512_loadu_si512(w + j * kBlockK);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) acc[r * J + j] = _mm512_dpbf16_ps(acc[r * J + j], xv[r], wv);
-    }
-  }
-  alignas(64) float sums[16];  // sums[r * J + j]: row r, output n0 + j0 + j
-  _mm512_store_ps(sums, _mm512_permutexvar_ps(reduce_order().to_vector, reduce16x16(acc)));
-  for (int r = 0; r < R; ++r) {
-    for (int j = 0; j < J; ++j) {
-      const int64_t n = n0 + j0 + j;
-      if (n >= N) break;
-      float v = sums[r * J + j];
-      if (bias != nullptr) v += static_cast<float>(bias[n]);
-      y[r * ldy + n] = static_cast<at::BFloat16>(v);
-    }
-  }
-}
-
-// One block of 16 outputs for R rows, in passes of J outputs.
+// Outputs [n0, n0 + 64) for R rows (x rows ldx apart, y rows ldy apart); wgroup [K / 2, 64, 2].
 template <int R>
-inline void block(const at::BFloat16* x, int64_t ldx, const at::BFloat16* wblock, int64_t K, int64_t n0, int64_t N,
-                  const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
-  constexpr int J = R == 1 ? 16 : (R == 2 ? 8 : 4);
-  for (int64_t j0 = 0; j0 < kBlockN; j0 += J)
-    block_rows<R, J>(x, ldx, wblock, K, n0, j0, N, bias, y, ldy);
+inline void group_rows(const at::BFloat16* x, int64_t ldx, const at::BFloat16* wgroup, int64_t K, int64_t n0,
+                       int64_t N, const at::BFloat16* bias, at::BFloat16* y, int64_t ldy) {
+  __m512 acc[R][kVectors];
+#pragma GCC unroll 6
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+    for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_setzero_ps();
+  const int64_t pairs = K / 2;
+  for (int64_t p = 0; p < pairs; ++p) {
+    const at::BFloat16* w = wgroup + p * 2 * kGroupN;
+    __m512bh wv[kVectors];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVectors; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * 32);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * p, sizeof(pair));
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+#pragma GCC unroll 4
+      for (int j = 0; j < kVectors; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  const int64_t valid = std::min<int64_t>(kGroupN, N - n0);
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float sums[kGroupN];
+#pragma GCC unroll 4
+    for (int j = 0; j < kVectors; ++j) _mm512_store_ps(sums + 16 * j, acc[r][j]);
+    at::BFloat16* out = y + r * ldy + n0;
+    for (int64_t n = 0; n < valid; ++n) {
+      float v = sums[n];
+      if (bias != nullptr) v += static_cast<float>(bias[n0 + n]);
+      out[n] = static_cast<at::BFloat16>(v);
+    }
+  }
 }
 
 void gemm_rows(const at::BFloat16* x, int64_t M, const at::BFloat16* wblocked, int64_t N, int64_t K,
                const at::BFloat16* bias, at::BFloat16* y) {
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  const int64_t block_elems = K * kBlockN;
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const at::BFloat16* wblock = wblocked + b * block_elems;
-      const int64_t n0 = b * kBlockN;
+  const int64_t groups = (N + kGroupN - 1) / kGroupN;
+  const int64_t group_elems = K * kGroupN;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const at::BFloat16* wgroup = wblocked + g * group_elems;
+      const int64_t n0 = g * kGroupN;
       int64_t m = 0;
       for (; m + kMaxRows <= M; m += kMaxRows)
-        block<4>(x + m * K, K, wblock, K, n0, N, bias, y + m * N, N);
+        group_rows<kMaxRows>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N);
       switch (M - m) {
-        case 3: block<3>(x + m * K, K, wblock, K, n0, N, bias, y + m * N, N); break;
-        case 2: block<2>(x + m * K, K, wblock, K, n0, N, bias, y + m * N, N); break;
-        case 1: block<1>(x + m * K, K, wblock, K, n0, N, bias, y + m * N, N); break;
+        case 5: group_rows<5>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
+        case 4: group_rows<4>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
+        case 3: group_rows<3>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
+        case 2: group_rows<2>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
+        case 1: group_rows<1>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
         default: break;
       }
     }
@@ -132,9 +91,9 @@ void gemm_rows(const at::BFloat16* x, int64_t M, const at::BFloat16* wblocked, i
 }
 
 void check_blocked(const torch::Tensor& w, int64_t N, int64_t K) {
-  TORCH_CHECK(K % kBlockK == 0, "input size must be a multiple of ", kBlockK, ", got ", K);
-  const int64_t blocks = (N + kBlockN - 1) / kBlockN;
-  TORCH_CHECK(w.is_contiguous() && w.numel() == blocks * kBlockN * K, "weights are not in the blocked layout");
+  TORCH_CHECK(K % 2 == 0, "input size must be even, got ", K);
+  const int64_t groups = (N + kGroupN - 1) / kGroupN;
+  TORCH_CHECK(w.is_contiguous() && w.numel() == groups * kGroupN * K, "weights are not in the blocked layout");
 }
 
 }  // namespace

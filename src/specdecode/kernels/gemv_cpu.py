@@ -16,7 +16,7 @@ import torch
 from specdecode.kernels import build
 
 SOURCE = Path(__file__).with_name("gemv_cpu.cpp")
-BLOCK_K = 32  # the input size must be a multiple of this
+GROUP = 64  # output channels per group of the layout
 REQUIRED_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
 
 
@@ -30,13 +30,14 @@ def _extension():
 
 def fits(in_features: int, dtype: torch.dtype, device) -> bool:
     """Whether a layer of this input size and dtype can use the kernel here."""
-    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and in_features % BLOCK_K == 0
+    return (torch.device(device).type == "cpu" and dtype == torch.bfloat16 and in_features % 2 == 0
             and _extension() is not None)
 
 
 def block_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 -> [ceil(N/16), K/32, 16, 32], the layout the kernel reads."""
-    return build.block_weight(weight, 16, BLOCK_K)
+    """weight [N, K] bf16 -> [ceil(N/64), K/2, 64, 2], the layout the kernel reads (a group's 64
+    outputs' next input pair contiguous)."""
+    return build.block_weight(weight, GROUP, 2)
 
 
 def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None,

@@ -135,15 +135,14 @@ def pack_linears(module: nn.Module) -> nn.Module:
     return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias))
 
 
-# Widths the few-row kernels are probed at. Probed alone, small bf16 layers (512 -> 512, 512 -> 1024)
-# measured the bf16 kernel faster up to 8 rows, but with that choice whole forwards of 3-8 tokens
-# measured up to 0.2 ms slower than with oneDNN, and of 1 token 1.0 ms faster (`specdecode profile`,
-# eager, one run each). The int8 kernel beat `_weight_int8pack_mm` at every width up to 16 rows over
-# the default model's 25 layers in turn on AVX2-only AMD EPYCs (Zen 3: 1.84 / 2.86 / 3.51 ms at
-# 1 / 2 / 4 rows against 3.13 / 4.00 / 5.07; Zen 4: 0.68 / 1.34 / 1.88 / 3.89 / 7.29 ms at
-# 1 / 2 / 4 / 8 / 16 rows against 1.07 / 1.63 / 2.33 / 4.19 / 8.21), so verification widths are
-# probed too.
-FEW_ROWS_PROBE = {"bf16": (1, 2), "int8": (1, 2, 4, 8, 16), "int4": (1, 2, 4, 8, 16)}
+# Widths the few-row kernels are probed at. The bf16 kernel (broadcast form) read the default model's 25
+# layers in turn in 0.94-1.13 ms at 1-6 rows and 1.44 / 2.15 ms at 9 / 16, against oneDNN's 1.74-2.10 /
+# 2.17 / 2.90 on a 2-core AVX-512 BF16 EPYC, so verification widths are probed too. The int8 kernel beat
+# `_weight_int8pack_mm` at every width up to 16 rows over the default model's 25 layers in turn on
+# AVX2-only AMD EPYCs (Zen 3: 1.84 / 2.86 / 3.51 ms at 1 / 2 / 4 rows against 3.13 / 4.00 / 5.07;
+# Zen 4: 0.68 / 1.34 / 1.88 / 3.89 / 7.29 ms at 1 / 2 / 4 / 8 / 16 rows against 1.07 / 1.63 / 2.33 /
+# 4.19 / 8.21).
+FEW_ROWS_PROBE = {"bf16": (1, 2, 4, 8, 16), "int8": (1, 2, 4, 8, 16), "int4": (1, 2, 4, 8, 16)}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
