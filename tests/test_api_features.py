@@ -202,7 +202,7 @@ def test_penalised_sampling_keeps_the_target_distribution(native_model, native_d
     prompt = [8, 200, 31]
     exact = _penalised_third_token_probs(native_model, prompt, SamplingParams(**params), allowed)
     assert math.isclose(float(exact[allowed].sum()), 1.0, abs_tol=1e-9)
-    seeds = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **params) for s in range(1000)]
+    seeds = [SamplingParams(max_tokens=3, seed=s, ignore_eos=True, **params) for s in range(3000)]
     config = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 3}
 
     def third_tokens(speculative_config):
@@ -213,7 +213,7 @@ def test_penalised_sampling_keeps_the_target_distribution(native_model, native_d
     plain, _ = third_tokens(None)
     assert chi_square(plain, exact, buckets=4) < CHI2_999_DF3
     spec, accepted = third_tokens(config)
-    assert accepted > 300 and chi_square(spec, exact, buckets=4) < CHI2_999_DF3
+    assert accepted > 900 and chi_square(spec, exact, buckets=4) < CHI2_999_DF3
     from specdecode.speculative import speculator
 
     monkeypatch.setattr(speculator, "path_tokens", lambda tokens, parents=None: torch.full(
