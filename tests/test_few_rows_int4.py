@@ -20,9 +20,13 @@ def _layer(n: int, k: int, group: int = 32, seed: int = 0, bias: bool = False) -
     return QuantizedLinear.from_weight(torch.randn(n, k, generator=g) * 0.05, b, QuantScheme(4, group))
 
 
-def _kernel_tensors(layer: QuantizedLinear) -> tuple:
-    packed, scale_offsets = gemv_int4_cpu.pack(layer.unpacked_int4(), layer.scales, layer.zeros)
+def _kernel_tensors(layer: QuantizedLinear, layout: str = "avx2") -> tuple:
+    pack = gemv_int4_cpu.pack_pairs if layout == "pairs" else gemv_int4_cpu.pack
+    packed, scale_offsets = pack(layer.unpacked_int4(), layer.scales, layer.zeros)
     return packed, scale_offsets, None if layer.bias is None else layer.bias.float().contiguous()
+
+
+needs_pairs = pytest.mark.skipif(not gemv_int4_cpu.pair_kernel(), reason="the bf16 pair layout needs AVX-512 BF16 and VBMI")
 
 
 def test_the_layout_holds_each_outputs_nibble_in_its_word():
@@ -36,13 +40,28 @@ def test_the_layout_holds_each_outputs_nibble_in_its_word():
     assert torch.count_nonzero(packed[1, :, 3:]) == 0  # outputs 70.. are padding
 
 
+@needs_pairs
+def test_the_pair_layout_holds_each_outputs_two_nibbles_where_the_kernel_picks_them():
+    q = torch.randint(0, 16, (70, 64), generator=torch.Generator().manual_seed(0))
+    scales, zeros = torch.rand(70, 2), torch.rand(70, 2)
+    packed, scale_offsets = gemv_int4_cpu.pack_pairs(q, scales, zeros)
+    assert packed.shape == (2, 32, 64) and torch.equal(scale_offsets, gemv_int4_cpu.pack(q, scales, zeros)[1])
+    for n in (0, 1, 9, 17, 63, 64, 69):
+        j, m, i = (n % 64) // 16, (n % 16) // 2, n % 2
+        byte = packed[n // 64, :, 8 * m + 2 * j + i].to(torch.int32)  # [K/2]
+        assert torch.equal(byte & 0xF, q[n, 0::2].to(torch.int32)) and torch.equal(byte >> 4, q[n, 1::2].to(torch.int32)), n
+    assert torch.count_nonzero(packed[1][:, [8 * m + 2 * j + i for m in range(8) for j in range(4) for i in range(2)
+                                             if 16 * j + 2 * m + i >= 6]]) == 0  # outputs 70.. are padding
+
+
 @pytest.mark.parametrize("n,k,group", [(8, 32, 32), (70, 64, 32), (1024, 512, 32), (13, 1408, 32), (200, 256, 64),
                                        (96, 256, 128)])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_kernel_computes_the_int4_matmul(n, k, group, bias, dtype):
+@pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "avx2"), (torch.float32, "avx2"),
+                                          pytest.param(torch.bfloat16, "pairs", marks=needs_pairs)])
+def test_the_kernel_computes_the_int4_matmul(n, k, group, bias, dtype, layout):
     layer = _layer(n, k, group, bias=bias)
-    tensors = _kernel_tensors(layer)
+    tensors = _kernel_tensors(layer, layout)
     w = layer.dequantize()  # [n, k] float32: (q - 8) * scale + zero
     for m in (1, 2, 3, 4, 5, 9):
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
@@ -51,17 +70,30 @@ def test_the_kernel_computes_the_int4_matmul(n, k, group, bias, dtype):
         assert out.shape == (m, n) and out.dtype == dtype
         rtol = 2 ** -7 if dtype == torch.bfloat16 else 1e-5  # the output's rounding
         torch.testing.assert_close(out.float(), ref, rtol=rtol, atol=1e-4 * k ** 0.5)
-    wrong = gemv_int4_cpu.few_rows_linear(x, *_kernel_tensors(_layer(n, k, group, seed=1, bias=bias)), n, group)
+    wrong = gemv_int4_cpu.few_rows_linear(x, *_kernel_tensors(_layer(n, k, group, seed=1, bias=bias), layout), n, group)
     assert not torch.allclose(wrong.float(), ref, rtol=2 ** -7, atol=1e-3)  # the check can fail
 
 
-def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
+@pytest.mark.parametrize("layout", ["avx2", pytest.param("pairs", marks=needs_pairs)])
+def test_a_rows_result_does_not_depend_on_the_rows_beside_it(layout):
     layer = _layer(300, 512, bias=True)
-    tensors = _kernel_tensors(layer)
+    tensors = _kernel_tensors(layer, layout)
     x = torch.randn(16, 512).bfloat16()
     alone = torch.cat([gemv_int4_cpu.few_rows_linear(x[i:i + 1], *tensors, 300, 32) for i in range(16)])
     for m in range(1, 17):
         assert torch.equal(gemv_int4_cpu.few_rows_linear(x[:m], *tensors, 300, 32), alone[:m]), m
+
+
+@needs_pairs
+def test_the_pair_layout_takes_bf16_only_and_an_int4_layer_called_otherwise_falls_back():
+    layer = _layer(40, 64, bias=True)
+    packed, scale_offsets, bias = _kernel_tensors(layer, "pairs")
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="pair layout takes bf16"):
+        gemv_int4_cpu.few_rows_linear(x, packed, scale_offsets, bias, 40, 32)
+    out = gemv_int4_cpu.int4_linear(x, packed, scale_offsets, bias, 40, 32, 16, layer.dense_weight(torch.float32),
+                                    None, None, layer.bias)  # float32 rows: the dense copy, not the kernel
+    torch.testing.assert_close(out, x @ layer.dense_weight(torch.float32).T + layer.bias)
 
 
 def test_bad_inputs_are_refused():

@@ -97,7 +97,7 @@ def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", "int8"), ("float32", None), ("bfloat16", "int8"),
-                                                ("bfloat16", None), ("float32", "int4")])
+                                                ("bfloat16", None), ("float32", "int4"), ("bfloat16", "int4")])
 def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, stack_calls, monkeypatch, dtype,
                                                   quantization):
     # float32 + int4: the int4 few-row kernel up to its width, the layers' dequantised copies past it

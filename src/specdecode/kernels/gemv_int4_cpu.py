@@ -45,11 +45,39 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
     padded[:N] = q
     lines = padded.view(groups, GROUP, K).transpose(1, 2).to(torch.uint8)  # [G, K, 64]
     packed = (lines[..., 0::2] | (lines[..., 1::2] << 4)).contiguous()  # [G, K, 32], the even output low
+    return packed, _scale_offsets(scales, zeros)
+
+
+def _scale_offsets(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
+    """scales, zeros [N, K/g] -> [ceil(N/64), K/g, 2, 64] fp32: each group's scales s, then offsets z - 8 s."""
+    N = scales.shape[0]
+    groups = -(-N // GROUP)
     s, z = scales.float(), zeros.float()
     so = torch.zeros(groups * GROUP, 2, s.shape[1])
     so[:N, 0], so[:N, 1] = s, z - 8 * s
-    scale_offsets = so.view(groups, GROUP, 2, -1).permute(0, 3, 2, 1).contiguous()  # [G, K/g, 2, 64]
-    return packed, scale_offsets
+    return so.view(groups, GROUP, 2, -1).permute(0, 3, 2, 1).contiguous()
+
+
+def pair_kernel() -> bool:
+    """Whether the built kernel has its bf16 path (AVX-512 BF16 and VBMI): the pair layout (`pack_pairs`)."""
+    extension = _extension()
+    return extension is not None and extension.pair_kernel()
+
+
+def pack_pairs(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of the bf16 path: q [N, K] values in [0, 15] (K even), scales and zeros [N, K / g] ->
+    (packed [ceil(N/64), K/2, 64] uint8: the line of input pair p holds each output's q[2p] in the low
+    nibble and q[2p + 1] in the high one, output 16 j + 2 m + i at byte 8 m + 2 j + i; scale_offsets as
+    `pack`'s)."""
+    N, K = q.shape
+    groups = -(-N // GROUP)
+    padded = q.new_zeros(groups * GROUP, K)
+    padded[:N] = q
+    pairs = padded.view(groups, GROUP, K // 2, 2).permute(0, 2, 1, 3).to(torch.uint8)  # [G, K/2, 64, 2]
+    by_output = pairs[..., 0] | (pairs[..., 1] << 4)  # [G, K/2, 64], byte n: output n
+    position = torch.arange(GROUP)
+    output_at = 16 * ((position % 8) // 2) + 2 * (position // 8) + position % 2  # the output byte `position` holds
+    return by_output[..., output_at].contiguous(), _scale_offsets(scales, zeros)
 
 
 def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, scale_offsets: torch.Tensor, bias: torch.Tensor | None,

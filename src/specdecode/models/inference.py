@@ -152,7 +152,7 @@ class _FewRowKind:
     name: str
     source: Path  # the kernel's C++ source (its digest keys the cached width choices)
     serves: Callable[[nn.Module, torch.dtype], bool]  # layers of this kind it can serve at dtype
-    prepare: Callable[[nn.Module], tuple]  # layer -> its kernel tensors (everything but the width)
+    prepare: Callable[[nn.Module, torch.dtype], tuple]  # layer, activations' dtype -> its kernel tensors (all but the width)
     call: Callable[[torch.Tensor, tuple, nn.Module], torch.Tensor]  # x [M, K] rows, those tensors, layer -> y
 
 
@@ -168,20 +168,23 @@ def _int4_few_rows(x: torch.Tensor, tensors: tuple, layer: QuantizedLinear) -> t
     return gemv_int4_cpu.few_rows_linear(x, *tensors, layer.out_features, layer.scheme.group_size)
 
 
-def _int4_tensors(layer: QuantizedLinear) -> tuple:
-    packed, scale_offsets = gemv_int4_cpu.pack(layer.unpacked_int4(), layer.scales, layer.zeros)
+def _int4_tensors(layer: QuantizedLinear, dtype: torch.dtype) -> tuple:
+    # bf16 activations on an AVX-512 BF16 CPU: the kernel's pair layout (vdpbf16ps), else its AVX2 one.
+    bf16_pairs = dtype == torch.bfloat16 and gemv_int4_cpu.pair_kernel() and layer.scheme.group_size % 2 == 0
+    pack = gemv_int4_cpu.pack_pairs if bf16_pairs else gemv_int4_cpu.pack
+    packed, scale_offsets = pack(layer.unpacked_int4(), layer.scales, layer.zeros)
     return packed, scale_offsets, None if layer.bias is None else layer.bias.float().contiguous()
 
 
 FEW_ROW_KINDS = (
     _FewRowKind("bf16", gemv_cpu.SOURCE, lambda m, dtype: (isinstance(m, PackedLinear) and m.dtype == dtype
                                           and gemv_cpu.fits(m.in_features, dtype, m.packed.device)),
-                lambda m: (gemv_cpu.block_weight(m.dense_weight()),), _bf16_few_rows),
+                lambda m, dtype: (gemv_cpu.block_weight(m.dense_weight()),), _bf16_few_rows),
     # bf16/fp16 activations (against PyTorch's int kernel) and float32 ones (against the dense copy).
     _FewRowKind("int8", gemv_int8_cpu.SOURCE, lambda m, dtype: (isinstance(m, QuantizedLinear) and m.scheme.bits == 8 and not m.is_view
                                           and dtype in (torch.bfloat16, torch.float16, torch.float32)
                                           and gemv_int8_cpu.fits(m.in_features, m.qweight.device)),
-                lambda m: (gemv_int8_cpu.block_weight(m.qweight), m.scales.float().contiguous(),
+                lambda m, dtype: (gemv_int8_cpu.block_weight(m.qweight), m.scales.float().contiguous(),
                            None if m.bias is None else m.bias.float().contiguous()), _int8_few_rows),
     # int4 layers: against PyTorch's int4 kernel (bf16/fp16) or the dense copy (float32).
     _FewRowKind("int4", gemv_int4_cpu.SOURCE, lambda m, dtype: (
@@ -212,7 +215,7 @@ def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, i
         for key, group in by_shape.items():
             if key in cached and cached[key] is None:
                 continue
-            tensors = [kind.prepare(layer) for layer in group]
+            tensors = [kind.prepare(layer, dtype) for layer in group]
             if key not in cached:
                 candidate = [functools.partial(kind.call, tensors=t, layer=layer) for t, layer in zip(tensors, group)]
                 faster = faster_by_width(candidate, [layer._matmul for layer in group], group[0].in_features, dtype,
