@@ -3,9 +3,10 @@
 //
 // One row multiplies every weight once, so its cost is reading the weights; a verification of R rows
 // should cost about the same, since each weight read can serve all R rows. oneDNN's packed bf16 matmul
-// reads the default model's 25 layers in 1.78 ms at one row and 1.87 / 2.16 ms at 5 / 9 rows here
-// (2 threads, the layers in turn: weights from memory), where this kernel's first version (a dot
-// product per output, reduced at the end) took 1.12 ms at one row but 1.97 / 2.96 at 2 / 5.
+// read the default model's 25 layers in 1.6-1.8 ms at 1-5 rows and 2.2 at 9 here (2 threads, the layers
+// in turn: weights from memory), where this kernel's first version (a dot product per output, reduced
+// at the end) took 1.12 ms at one row but 1.97 / 2.96 at 2 / 5. This one: 1.37-1.49 ms at 1-4 rows,
+// 1.71 at 8, 2.55 at 16, oneDNN 2.23-2.40 / 2.68 / 3.27 in the same run (benchmarks/few_row_kernel.py).
 //
 // This one is the broadcast form. Layout (made at load time): [ceil(N / 64), K / 2, 64, 2], the 64
 // outputs of a group, two inputs each, contiguous per input pair (256 bytes), so a group is one

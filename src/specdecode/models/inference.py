@@ -136,8 +136,9 @@ def pack_linears(module: nn.Module) -> nn.Module:
 
 
 # Widths the few-row kernels are probed at. The bf16 kernel (broadcast form) read the default model's 25
-# layers in turn in 0.94-1.13 ms at 1-6 rows and 1.44 / 2.15 ms at 9 / 16, against oneDNN's 1.74-2.10 /
-# 2.17 / 2.90 on a 2-core AVX-512 BF16 EPYC, so verification widths are probed too. The int8 kernel beat
+# layers in turn in 1.37-1.49 ms at 1-4 rows and 1.71 / 2.55 ms at 8 / 16, against oneDNN's 2.23-2.40 /
+# 2.68 / 3.27 on a 2-core AVX-512 BF16 EPYC (benchmarks/few_row_kernel.py), so verification widths are
+# probed too. The int8 kernel beat
 # `_weight_int8pack_mm` at every width up to 16 rows over the default model's 25 layers in turn on
 # AVX2-only AMD EPYCs (Zen 3: 1.84 / 2.86 / 3.51 ms at 1 / 2 / 4 rows against 3.13 / 4.00 / 5.07;
 # Zen 4: 0.68 / 1.34 / 1.88 / 3.89 / 7.29 ms at 1 / 2 / 4 / 8 / 16 rows against 1.07 / 1.63 / 2.33 /
