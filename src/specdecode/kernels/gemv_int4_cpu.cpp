@@ -25,6 +25,34 @@ namespace {
 constexpr int64_t kGroup = 64;  // output channels per group of the layout (32 bytes per input)
 constexpr int kMaxTileRows = 4;  // accumulators and totals of 4 rows fill the 16 ymm registers
 
+// A tile's R rows of `width` fp32 sums (row r at sums + r * width) plus the bias, as outputs n0 .. of y.
+template <typename out_t>
+inline void store_rows(const float* sums, int R, int64_t width, int64_t n0, int64_t N, const float* bias, out_t* y) {
+  const int64_t outputs = std::min<int64_t>(width, N - n0);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < outputs; ++i) {
+      float v = sums[r * width + i];
+      if (bias != nullptr) v += bias[n0 + i];
+      y[r * N + n0 + i] = static_cast<out_t>(v);
+    }
+  }
+}
+
+// Each row's input sum per group, in input order: [M * K / group] fp32.
+template <typename in_t>
+std::vector<float> group_sums(const in_t* x, int64_t M, int64_t K, int64_t group) {
+  const int64_t groups = K / group;
+  std::vector<float> xsum(M * groups);
+  for (int64_t r = 0; r < M; ++r) {
+    for (int64_t kg = 0; kg < groups; ++kg) {
+      float s = 0.0f;
+      for (int64_t k = kg * group; k < (kg + 1) * group; ++k) s += static_cast<float>(x[r * K + k]);
+      xsum[r * groups + kg] = s;
+    }
+  }
+  return xsum;
+}
+
 // Tiles: R rows x NB blocks of 8 outputs from output n0 of a layout group; w at the tile's first
 // block (stride 32 bytes per input), so [R x NB] block offsets are j * 4 bytes.
 template <int R, int NB, typename out_t>
@@ -70,14 +98,7 @@ inline void tile(const float* x, const float* xsum, const uint8_t* w, int64_t K,
   alignas(32) float sums[R * NB * 8];
 #pragma GCC unroll 16
   for (int i = 0; i < R * NB; ++i) _mm256_store_ps(sums + i * 8, total[i]);
-  const int64_t outputs = std::min<int64_t>(NB * 8, N - n0);
-  for (int r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < outputs; ++i) {
-      float v = sums[r * NB * 8 + i];
-      if (bias != nullptr) v += bias[n0 + i];
-      y[r * N + n0 + i] = static_cast<out_t>(v);
-    }
-  }
+  store_rows(sums, R, NB * 8, n0, N, bias, y);
 }
 
 template <int R, typename out_t>
@@ -95,14 +116,7 @@ template <typename out_t>
 void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* scale_offsets, int64_t N, int64_t K,
                int64_t group, const float* bias, out_t* y) {
   const int64_t groups = K / group, layout_groups = (N + kGroup - 1) / kGroup;
-  std::vector<float> xsum(M * groups);  // each row's input sum per group, in input order
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t kg = 0; kg < groups; ++kg) {
-      float s = 0.0f;
-      for (int64_t k = kg * group; k < (kg + 1) * group; ++k) s += x[r * K + k];
-      xsum[r * groups + kg] = s;
-    }
-  }
+  const std::vector<float> xsum = group_sums(x, M, K, group);
   at::parallel_for(0, layout_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* wgroup = packed + g * K * 32;
@@ -189,14 +203,7 @@ inline void pair_tile(const at::BFloat16* x, const float* xsum, const uint8_t* w
   alignas(64) float sums[R * NV * 16];
 #pragma GCC unroll 16
   for (int i = 0; i < R * NV; ++i) _mm512_store_ps(sums + i * 16, total[i]);
-  const int64_t outputs = std::min<int64_t>(NV * 16, N - n0);
-  for (int r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < outputs; ++i) {
-      float v = sums[r * NV * 16 + i];
-      if (bias != nullptr) v += bias[n0 + i];
-      y[r * N + n0 + i] = static_cast<out_t>(v);
-    }
-  }
+  store_rows(sums, R, NV * 16, n0, N, bias, y);
 }
 
 template <int R>
@@ -214,14 +221,7 @@ void pair_gemm_rows(const at::BFloat16* x, int64_t M, const uint8_t* packed, con
                     int64_t K, int64_t group, const float* bias, at::BFloat16* y) {
   constexpr int kMaxPairRows = 6;
   const int64_t groups = K / group, layout_groups = (N + kGroup - 1) / kGroup;
-  std::vector<float> xsum(M * groups);  // each row's input sum per group, in input order
-  for (int64_t r = 0; r < M; ++r) {
-    for (int64_t kg = 0; kg < groups; ++kg) {
-      float s = 0.0f;
-      for (int64_t k = kg * group; k < (kg + 1) * group; ++k) s += static_cast<float>(x[r * K + k]);
-      xsum[r * groups + kg] = s;
-    }
-  }
+  const std::vector<float> xsum = group_sums(x, M, K, group);
   at::parallel_for(0, layout_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* wgroup = packed + g * K * 32;
