@@ -10,8 +10,9 @@ from helpers import make_hf_model
 from specdecode import LLM, SamplingParams
 from specdecode.engine.ragged import ForwardEntry
 from specdecode.kernels import decode_stack_cpu, gemv_int8_cpu
-from specdecode.models import kernel_probe, llama, native_stack
-from specdecode.models.inference import detach_few_row_kernels
+from specdecode.models import kernel_probe, llama, native_stack, wide_kernels
+from specdecode.models.inference import can_pack, detach_few_row_kernels
+from specdecode.models.quant import QuantizedLinear
 from specdecode.models.layers import AttentionBatch
 
 pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ stack needs a C++ compiler")
@@ -104,6 +105,22 @@ def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, 
     if quantization == "int8" and not gemv_int8_cpu.fits(8, "cpu"):
         pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
     _compare(LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2), stack_calls, monkeypatch)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantised_layers_wide_copies_are_reproduced(native_model, forced_kernels, stack_calls, monkeypatch,
+                                                     quantization):
+    # bf16 verification widths: from 3 rows on every int layer runs its dense packed copy, which itself takes
+    # the few-row bf16 kernel (where built) up to 16 rows: the stack must choose as each module does.
+    if not can_pack(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("packed bf16 copies need oneDNN's bf16 path (AVX-512)")
+    monkeypatch.setattr(wide_kernels, "measure_wide_from", lambda layers, dense, dtype: 3)
+    monkeypatch.setattr(wide_kernels, "load_choices", dict)  # measured (as 3), whatever was cached
+    monkeypatch.setattr(wide_kernels, "save_choices", lambda cached: None)
+    llm = LLM(native_model, dtype="bfloat16", quantization=quantization, max_num_seqs=2)
+    layers = [m for m in llm.model.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
+    assert layers and all(m.wide is not None and m.wide[1] == 3 for m in layers)
+    _compare(llm, stack_calls, monkeypatch)
 
 
 @pytest.mark.parametrize("family,extra", [("qwen3", {}), ("qwen2", {}), ("llama", {"kv_heads": 4})])

@@ -160,14 +160,14 @@ def test_wide_kernels_follow_the_cached_choice_and_can_be_turned_off(native_mode
     llm = LLM(native_model, dtype="bfloat16", quantization="int8", max_num_seqs=2)  # measures, then caches
     cache = json.loads(kernel_probe.cache_path().read_text())
     layers = [m for m in llm.model.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
-    shapes = {f"{m.in_features}x{m.out_features}-int8-torch.bfloat16" for m in layers}
+    shapes = {wide_kernels.choice_key(m, torch.bfloat16) for m in layers}
     assert shapes <= set(cache) and all(v is None or v in wide_kernels.PROBE_ROWS for v in cache.values())
     # A cached choice is what every later start runs (no timing involved).
     forced = {key: (2 if i % 2 == 0 else None) for i, key in enumerate(sorted(shapes))}
     kernel_probe.cache_path().write_text(json.dumps(forced))
     llm = LLM(native_model, dtype="bfloat16", quantization="int8", max_num_seqs=2)
     for m in (m for m in llm.model.modules() if isinstance(m, QuantizedLinear) and not m.is_view):
-        want = forced[f"{m.in_features}x{m.out_features}-int8-torch.bfloat16"]
+        want = forced[wide_kernels.choice_key(m, torch.bfloat16)]
         assert (m.wide is None) if want is None else (m.wide[1] == want)
     assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids  # runs
     llm = LLM(native_model, dtype="bfloat16", quantization="int8", max_num_seqs=2, verify_kernels="quantized")

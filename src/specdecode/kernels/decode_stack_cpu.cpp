@@ -21,6 +21,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -104,13 +105,13 @@ struct Linear {
   torch::Tensor few_scales;  // int8: scales; int4: scales and offsets
   OptTensor few_bias, dense, qweight, qscales;
   OptTensor few_blocked;  // packed: the few-row bf16 kernel's layout, served up to few_upto rows (or none)
-  // int8 / int4: the dequantised weight packed for oneDNN, which forwards from wide_from rows on take
-  // (QuantizedLinear.wide, verification widths), with its bias
-  OptTensor wide, wide_bias;
+  // int8 / int4: the dequantised weight as a packed layer, which forwards from wide_from rows on take
+  // (QuantizedLinear.wide, verification widths)
+  std::shared_ptr<const Linear> wide;
   int64_t out_features = 0, few_upto = 0, group = 0, wide_from = 0;
 
   torch::Tensor operator()(const torch::Tensor& x) const {
-    if (wide.has_value() && x.numel() >= wide_from * x.size(-1)) return packed_linear_op(x, *wide, wide_bias);
+    if (wide && x.numel() >= wide_from * x.size(-1)) return (*wide)(x);
     if (bits == 16) {  // PackedLinear._matmul
       const int64_t K = x.size(-1);
       if (few_blocked.has_value() && x.numel() <= few_upto * K) {
@@ -181,9 +182,8 @@ Linear packed_linear(torch::Tensor packed, OptTensor bias, int64_t out_features,
 }
 
 // An int8 / int4 layer that also keeps a wide copy (QuantizedLinear._matmul checks it first).
-Linear with_wide(Linear l, torch::Tensor wide, OptTensor wide_bias, int64_t wide_from) {
-  l.wide = std::move(wide);
-  l.wide_bias = std::move(wide_bias);
+Linear with_wide(Linear l, Linear wide, int64_t wide_from) {
+  l.wide = std::make_shared<const Linear>(std::move(wide));
   l.wide_from = wide_from;
   return l;
 }
@@ -485,7 +485,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"));
   m.def("int8_linear", &int8_linear, "an int8 layer: specdecode_int8::int8_linear with these arguments");
   m.def("int4_linear", &int4_linear, "an int4 layer: specdecode_int4::int4_linear with these arguments");
-  m.def("with_wide", &with_wide, "the layer, from wide_from rows on mkldnn::_linear_pointwise on `wide`");
+  m.def("with_wide", &with_wide, "the layer, from wide_from rows on the layer `wide` (its packed dense copy)");
   m.def("packed_linear", &packed_linear,
         "a PackedLinear: specdecode_bf16::gemm_bf16 on few_blocked up to few_upto rows, else mkldnn::_linear_pointwise");
   py::class_<Layer>(m, "Layer")

@@ -232,13 +232,14 @@ def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch,
         if watch.get(layer, "row_tiling") is not None:
             raise NotServed(f"{name}: a row tiling")
         wide = watch.get(layer, "wide")  # (its dense copy, packed, the width from which it serves)
-        if wide is not None and (type(wide[0]) is not PackedLinear or wide[0].few_rows is not None
-                                 or wide[0].row_tiling is not None or wide[0].dtype != dtype):
+        if wide is not None and type(wide[0]) is not PackedLinear:
             raise NotServed(f"{name}: wide copy {wide[0]}")
         if watch.get(layer, "few_rows") is not None:  # the few-row op of its width (int8 or int4)
             few_rows = extension.int8_linear if watch.get(layer, "scheme").bits == 8 else extension.int4_linear
             served = few_rows(*layer.few_rows_arguments(dtype, layer.qweight.device))
-            return served if wide is None else extension.with_wide(served, wide[0].packed, wide[0].bias, wide[1])
+            if wide is None:
+                return served
+            return extension.with_wide(served, served_linear(wide[0], f"{name}.wide", dtype, watch, types), wide[1])
         if wide is not None:
             raise NotServed(f"{name}: a wide copy beside PyTorch's int kernels")
         if layer.uses_dense_copy(dtype, layer.qweight.device):  # what its forward runs: F.linear
