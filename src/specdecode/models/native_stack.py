@@ -219,10 +219,8 @@ def norm_weight(norm: nn.Module | None, dtype: torch.dtype, watch: Watch) -> tor
 def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch, types: ServedTypes):
     """A linear layer as the C++ code computes it (a `Linear` of decode_stack_cpu.cpp): the path its
     module takes for activations of `dtype`; raises NotServed where that path is not reproduced."""
-    from specdecode.models.inference import PackedLinear  # here: inference.py imports this module's importers
-
     extension = decode_stack_cpu.extension()
-    if type(layer) is PackedLinear:  # its _matmul: the few-row bf16 kernel up to its width, else oneDNN
+    if _is_packed_linear(layer):  # its _matmul: the few-row bf16 kernel up to its width, else oneDNN
         if watch.get(layer, "row_tiling") is not None or layer.dtype != dtype:
             raise NotServed(f"{name}: a row tiling or weight dtype {layer.dtype}")
         few_rows = watch.get(layer, "few_rows")
@@ -232,7 +230,7 @@ def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch,
         if watch.get(layer, "row_tiling") is not None:
             raise NotServed(f"{name}: a row tiling")
         wide = watch.get(layer, "wide")  # (its dense copy, packed, the width from which it serves)
-        if wide is not None and type(wide[0]) is not PackedLinear:
+        if wide is not None and not _is_packed_linear(wide[0]):
             raise NotServed(f"{name}: wide copy {wide[0]}")
         if watch.get(layer, "few_rows") is not None:  # the few-row op of its width (int8 or int4)
             few_rows = extension.int8_linear if watch.get(layer, "scheme").bits == 8 else extension.int4_linear
@@ -250,6 +248,13 @@ def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch,
             raise NotServed(f"{name}: weight dtype {layer.weight.dtype}")
         return extension.dense_linear(watch.get(layer, "weight"), watch.get(layer, "bias"))
     raise NotServed(f"{name}: {type(layer).__name__}")
+
+
+def _is_packed_linear(layer: nn.Module) -> bool:
+    """Whether `layer` is exactly a models/inference.py PackedLinear (a subclass may compute otherwise),
+    told by its class's qualified name: inference.py imports models/llama.py, which imports this module."""
+    cls = type(layer)
+    return cls.__name__ == "PackedLinear" and cls.__module__ == "specdecode.models.inference"
 
 
 def batch_served(batch: AttentionBatch | None) -> bool:
