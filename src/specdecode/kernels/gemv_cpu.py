@@ -1,5 +1,5 @@
-"""Few-row bf16 matmuls for decoding on a CPU (gemv_cpu.cpp): the weights in a blocked layout
-streamed once for the 1-2 rows of a decode or drafting step, through AVX-512 BF16.
+"""Few-row bf16 matmuls on a CPU (gemv_cpu.cpp): the weights in a blocked layout streamed once for
+the 1-16 rows of a decode, drafting or verification step, through AVX-512 BF16.
 
 Served by `PackedLinear` (models/inference.py; eager forwards only) up to the width measured per layer shape
 (models/inference.py `attach_few_row_kernels`) where the CPU has AVX-512 BF16 and the build

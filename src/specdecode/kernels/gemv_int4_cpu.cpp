@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -37,6 +38,18 @@ inline void store_rows(const float* sums, int R, int64_t width, int64_t n0, int6
     }
   }
 }
+
+// f(std::integral_constant<int, R>{}) with R = min(rows, kMax), rows >= 1: a tile of as many rows as fit.
+template <int kMax, typename F>
+inline void with_rows(int64_t rows, F&& f) {
+  if constexpr (kMax > 1) {
+    if (rows < kMax) return with_rows<kMax - 1>(rows, f);
+  }
+  f(std::integral_constant<int, kMax>{});
+}
+
+// Whether `packed` is in the bf16 pair layout [ceil(N / 64), K / 2, 64] (else the AVX2 one, [.., K, 32]).
+inline bool pair_layout(const torch::Tensor& packed) { return packed.dim() == 3 && packed.size(2) == 64; }
 
 // Each row's input sum per group, in input order: [M * K / group] fp32.
 template <typename in_t>
@@ -125,12 +138,7 @@ void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* sc
         const float* xm = x + m * K;
         const float* sm = xsum.data() + m * groups;
         out_t* ym = y + m * N;
-        switch (std::min<int64_t>(M - m, kMaxTileRows)) {
-          case 4: group_rows<4>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          case 3: group_rows<3>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          case 2: group_rows<2>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          default: group_rows<1>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-        }
+        with_rows<kMaxTileRows>(M - m, [&](auto R) { group_rows<R()>(xm, sm, wgroup, K, group, so, g, N, bias, ym); });
       }
     }
   });
@@ -230,14 +238,7 @@ void pair_gemm_rows(const at::BFloat16* x, int64_t M, const uint8_t* packed, con
         const at::BFloat16* xm = x + m * K;
         const float* sm = xsum.data() + m * groups;
         at::BFloat16* ym = y + m * N;
-        switch (std::min<int64_t>(M - m, kMaxPairRows)) {
-          case 6: pair_group_rows<6>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          case 5: pair_group_rows<5>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          case 4: pair_group_rows<4>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          case 3: pair_group_rows<3>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          case 2: pair_group_rows<2>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-          default: pair_group_rows<1>(xm, sm, wgroup, K, group, so, g, N, bias, ym); break;
-        }
+        with_rows<kMaxPairRows>(M - m, [&](auto R) { pair_group_rows<R()>(xm, sm, wgroup, K, group, so, g, N, bias, ym); });
       }
     }
   });
@@ -255,7 +256,7 @@ torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& packed, con
   TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, "2-D input and uint8 packed weights");
   const int64_t M = x.size(0), K = x.size(1), layout_groups = (N + kGroup - 1) / kGroup;
   TORCH_CHECK(group > 0 && K % group == 0, "the input size is a multiple of the group size");
-  const bool pairs = packed.dim() == 3 && packed.size(2) == 64;  // the bf16 pair layout
+  const bool pairs = pair_layout(packed);
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == layout_groups &&
                   (pairs ? packed.size(1) * 2 == K : packed.size(1) == K && packed.size(2) == 32),
               "weights are not in the packed layout [ceil(N / 64), K, 32] (or the pair layout [ceil(N / 64), K / 2, 64])");
@@ -295,7 +296,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   // The pair layout serves bf16 activations only (a layer attached for them, called with others, falls back).
-  const bool served = packed.dim() != 3 || packed.size(2) != 64 || x.scalar_type() == at::kBFloat16;
+  const bool served = !pair_layout(packed) || x.scalar_type() == at::kBFloat16;
   if (rows <= few_upto && served)
     return gemm_int4(x.reshape({rows, K}), packed, scale_offsets, few_bias, N, group).view(out_shape);
   if (dense.has_value()) return at::linear(x, *dense, bias);

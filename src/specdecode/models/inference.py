@@ -4,8 +4,8 @@
 `load_model`, and every drafter after its own loader): fuse q/k/v and gate/up, then either
 quantise every linear layer (`models/quant.py`, cached by checkpoint hash), or, for bf16 /
 fp16 weights on a CPU, keep them dense in oneDNN's blocked layout (`PackedLinear`), and, for
-bf16 on a CPU with AVX-512 BF16, also in the few-row kernel's layout for the decode widths where
-it measures faster (`kernels/gemv_cpu.py`).
+bf16 on a CPU with AVX-512 BF16, also in the few-row kernel's layout for the decode and verify
+widths where it measures faster (`kernels/gemv_cpu.py`).
 
 Why packing: a one-row bf16 matmul reads its weight in PyTorch's plain layout at a fraction of
 the memory bandwidth. Measured here (2 threads, all 25 matmuls of the default model in turn,
@@ -75,7 +75,7 @@ class PackedLinear(nn.Module):
         self.bias = None if bias is None else bias.detach().clone()
         self.split_sizes = split_sizes
         self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
-        # Decode widths (attach_few_row_kernels below): (the weight in the few-row
+        # Decode and verify widths (attach_few_row_kernels below): (the weight in the few-row
         # kernel's blocked layout, the most rows it serves); eager forwards that narrow take it.
         self.few_rows: tuple[torch.Tensor, int] | None = None
 

@@ -70,6 +70,8 @@ def attach_wide_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, int]
         by_shape.setdefault(choice_key(layer, dtype), []).append(layer)
     cached, chosen, measured = load_choices(), {}, False
     for key, group in by_shape.items():
+        if key in cached and cached[key] is None:  # never faster here: no copy to build
+            continue
         dense = [PackedLinear(layer.dequantize().to(dtype), layer.bias) for layer in group]
         attach_few_row_kernels(nn.ModuleList(dense), dtype)
         if key not in cached:
