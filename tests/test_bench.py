@@ -3,6 +3,7 @@
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -44,6 +45,8 @@ def test_run_bench_records_everything(native_model, native_drafter, prompt_file,
     assert result["machine"]["dtype"] == "float32" and result["num_prompts"] == 3
     for r in runs:
         assert r["output_tokens"] == 3 * 8 and r["tokens_per_second"] > 0
+        # Batch 1: the decode rate leaves the prefill and first token out; batched requests overlap, so none.
+        assert (r["decode_tokens_per_second"] > 0) if r["concurrency"] == 1 else "decode_tokens_per_second" not in r
         if r["method"] == "none":
             assert r["speedup"] == 1.0
         else:
@@ -170,12 +173,26 @@ def test_repeats_are_interleaved_across_methods():
 
         def generate(self, prompts, params):
             log.append(self.name)
-            return [self.name]
+            metrics = SimpleNamespace(time_to_first_token=1.0, e2e_latency=3.0)
+            return [SimpleNamespace(text=self.name, metrics=metrics)]
 
     engines = [Engine("a"), Engine("b"), Engine("c")]
     measured = measure_interleaved(engines, ["p"], [None], repeats=3)
-    assert log[3:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]  # after one warm-up each
-    assert [len(m.round_seconds) for m in measured] == [3, 3, 3] and [m.outputs for m in measured] == [["a"], ["b"], ["c"]]
+    assert log[:6] == ["a", "a", "b", "b", "c", "c"]  # a warm-up and every prompt's prefill, each
+    assert log[6:] == ["a", "b", "c", "b", "c", "a", "c", "a", "b"]
+    assert [len(m.round_seconds) for m in measured] == [3, 3, 3]
+    assert [[o.text for o in m.outputs] for m in measured] == [["a"], ["b"], ["c"]]
+    # Each round's decode time: its requests' first-to-last-token seconds (here 3 - 1).
+    assert all(m.decode_seconds == [2.0, 2.0, 2.0] for m in measured)
+
+
+def test_peers_timed_on_decode_only_are_compared_with_our_decode_rate():
+    baseline = ({"tokens_per_second": 100.0, "decode_tokens_per_second": 125.0}, [])
+    llama = {"method": "llama.cpp F16", "tokens": 128, "wall_seconds": 1.0, "outputs": None, "timing": "decode"}
+    vllm = {"method": "vllm", "tokens": 128, "wall_seconds": 1.0, "outputs": None}
+    assert harness.peer_record("llama.cpp-bin", llama, 0.0, 8, baseline)["speedup"] == pytest.approx(128 / 125)
+    assert harness.peer_record("llama.cpp-bin", llama, 0.0, 8, baseline)["decode_tokens_per_second"] == 128
+    assert harness.peer_record("vllm", vllm, 0.0, 8, baseline)["speedup"] == pytest.approx(128 / 100)
 
 
 def test_the_vllm_peer_runs_the_same_drafters_and_k(native_model, trained_drafters, native_drafter, monkeypatch,

@@ -123,6 +123,10 @@ def run_bench(cfg: BenchConfig) -> dict:
                 record = {"method": method.label, "config": method.config, "exact": exact,
                           **_timed(temperature, concurrency, len(prompts), num_tokens, wall),
                           "round_seconds": [round(w, 4) for w in m.round_seconds]}
+                if concurrency == 1:  # one request at a time: its decode time is a part of the wall time
+                    decode_tokens = num_tokens - sum(1 for o in m.outputs if o.token_ids)
+                    decode_wall = sum(m.decode_seconds) / cfg.repeats
+                    record["decode_tokens_per_second"] = round(decode_tokens / decode_wall, 2) if decode_wall else None
                 baseline = baselines.get(exact)
                 if baseline is None:
                     baselines[exact] = baseline = (record, m.outputs, m.round_seconds)
@@ -239,10 +243,20 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
             if "error" in row:  # one variant the peer could not run
                 errors[f"{engine}: {row['method']}"] = portable(row["error"])
                 continue
-            tps = row["tokens"] / row["wall_seconds"]
-            records.append({"method": row["method"], "engine": engine, "config": None,
-                            **_timed(temperature, 1, len(prompts), row["tokens"], row["wall_seconds"]),
-                            "speedup": round(tps / baseline[0]["tokens_per_second"], 3),
-                            "outputs_equal_to_plain": _equal_to_plain(row["outputs"], baseline[1]),
-                            **{key: row[key] for key in ("spread", "acceptance_rate", "mean_acceptance_length") if key in row}})
+            records.append(peer_record(engine, row, temperature, len(prompts), baseline))
     return records
+
+
+def peer_record(engine: str, row: dict, temperature: float, num_prompts: int, baseline) -> dict:
+    """A peer's row as a record, its speedup against our plain decoding (`baseline`: its record and
+    outputs): against our decode tok/s where the peer timed its decode only (row["timing"] ==
+    "decode", llama.cpp's own timings, prompt processing left out), else against our wall-time tok/s."""
+    tps = row["tokens"] / row["wall_seconds"]
+    decode_only = row.get("timing") == "decode" and baseline[0].get("decode_tokens_per_second")
+    ours = baseline[0]["decode_tokens_per_second" if decode_only else "tokens_per_second"]
+    return {"method": row["method"], "engine": engine, "config": None,
+            **_timed(temperature, 1, num_prompts, row["tokens"], row["wall_seconds"]),
+            **({"decode_tokens_per_second": round(tps, 2)} if decode_only else {}),
+            "speedup": round(tps / ours, 3),
+            "outputs_equal_to_plain": _equal_to_plain(row["outputs"], baseline[1]),
+            **{key: row[key] for key in ("spread", "acceptance_rate", "mean_acceptance_length") if key in row}}

@@ -185,7 +185,7 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
     result = json.loads(bench.stdout)[0]
     rows = [{"method": f"llama.cpp {gguf_type} (llama-bench tg{max_tokens} @ d{depth})",
              "tokens": max_tokens, "wall_seconds": max_tokens / result["avg_ts"], "outputs": None,
-             "spread": f"+-{result['stddev_ts']:.0f} tok/s"}]
+             "spread": f"+-{result['stddev_ts']:.0f} tok/s", "timing": "decode"}]
     variants = [(f"llama.cpp {gguf_type} prompt-lookup k={k}", ["--spec-type", "ngram-simple"])]
     if draft_dir is not None and (draft_dir / "config.json").is_file():
         draft = quantized_gguf(draft_dir, gguf_type, bin_dir)
@@ -215,7 +215,7 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
             drafted += int(counts["n_drafted"].search(log).group(1))
             accepted += int(counts["n_accept"].search(log).group(1))
         rows.append({"method": label, "tokens": tokens, "wall_seconds": seconds, "outputs": None,
-                     "acceptance_rate": round(accepted / max(1, drafted), 3)})
+                     "acceptance_rate": round(accepted / max(1, drafted), 3), "timing": "decode"})
     return rows
 
 

@@ -22,9 +22,11 @@ def markdown_table(result: dict) -> str:
         f"{m['cpu_count']} threads, {m['processor']}.", "",
         "Speedup is against specdecode's plain decoding in the same run, for every row (peers included); "
         "in brackets its 90% bootstrap interval over the interleaved timing rounds. Drafted: draft tokens "
-        "sent to verification in one pass over the prompts.", "",
-        "| method | exact | T | concurrency | tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | drafted | draft / verify time | = plain |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "sent to verification in one pass over the prompts. tok/s: output tokens over wall time (prefill "
+        "included); decode tok/s (batch 1): tokens after the first over the time from first to last token. "
+        "Peers timed on their decode only (llama.cpp's binaries) are compared with plain decoding's decode tok/s.", "",
+        "| method | exact | T | concurrency | tok/s | decode tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | drafted | draft / verify time | = plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     if any(r.get("exact") for r in result["runs"]):
         lines[2] += (" Exact rows are measured against exact mode's own plain decoding; the exact plain row "
@@ -43,6 +45,7 @@ def markdown_table(result: dict) -> str:
         lines.append(
             f"| {r['method']} | {'on' if r.get('exact') else 'off'} | {r['temperature']} | {r['concurrency']} | "
             f"{r['tokens_per_second']:.1f} | "
+            f"{'' if r.get('decode_tokens_per_second') is None else format(r['decode_tokens_per_second'], '.1f')} | "
             f"{speedup} | {acceptance} | {length} | {per_pos} | {r.get('num_draft_tokens', '')} | {split} | "
             f"{r.get('outputs_equal_to_plain', '')} |")
     for engine, reason in result.get("peer_errors", {}).items():

@@ -25,6 +25,9 @@ ROUND_PROMPTS = 8  # prompts per timing round at low concurrency (a round at con
 class Measured:
     round_seconds: list[float]  # wall seconds of every timed round, repeats x rounds, in order
     outputs: list  # the last pass's outputs, in prompt order (its stats stay in llm.stats)
+    # Per round: the requests' seconds from their first token to their last (prefill and queueing
+    # left out). At concurrency 1 the requests run one after another, so this is the round's decode time.
+    decode_seconds: list[float] = dataclasses.field(default_factory=list)
 
 
 def rounds_of(num_prompts: int, concurrency: int) -> list[range]:
@@ -39,6 +42,9 @@ def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[Sampli
     round 1, then B, C, A on round 2, ... (`repeats` passes over all rounds)."""
     for llm in llms:  # warm-up (allocations, caches, and with compile=True every kind of step compiled)
         warm_up(llm, [prompts[i % len(prompts)] for i in range(max(1, concurrency))])
+        # Every prompt's prefill once: oneDNN builds (and caches, process-wide) a primitive per new
+        # matmul shape, which cost the first engine timed on a prompt length, and only it, that once.
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
     rounds = rounds_of(len(prompts), concurrency)
     measured = [Measured([], []) for _ in llms]
     turn = 0
@@ -50,10 +56,19 @@ def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[Sampli
                 start = time.perf_counter()
                 outs = llms[i].generate([prompts[j] for j in idx], [params[j] for j in idx])
                 measured[i].round_seconds.append(time.perf_counter() - start)
+                measured[i].decode_seconds.append(sum(decode_seconds(o) for o in outs))
                 measured[i].outputs += outs
                 on_run()
             turn += 1
     return measured
+
+
+def decode_seconds(output) -> float:
+    """A finished request's seconds from its first token to its last."""
+    metrics = output.metrics
+    if metrics.time_to_first_token is None or metrics.e2e_latency is None:
+        return 0.0
+    return metrics.e2e_latency - metrics.time_to_first_token
 
 
 WARM_UP_PASSES = 6  # compiled engines: at most this many passes before timing
