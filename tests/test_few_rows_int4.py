@@ -44,8 +44,12 @@ def test_the_layout_holds_each_outputs_nibble_in_its_word():
 def test_the_pair_layout_holds_each_outputs_two_nibbles_where_the_kernel_picks_them():
     q = torch.randint(0, 16, (70, 64), generator=torch.Generator().manual_seed(0))
     scales, zeros = torch.rand(70, 2), torch.rand(70, 2)
-    packed, scale_offsets = gemv_int4_cpu.pack_pairs(q, scales, zeros)
-    assert packed.shape == (2, 32, 64) and torch.equal(scale_offsets, gemv_int4_cpu.pack(q, scales, zeros)[1])
+    scales, zeros = scales.bfloat16().float(), zeros.bfloat16().float()  # bf16 values, as quantize_weight's
+    packed, scale_zeros = gemv_int4_cpu.pack_pairs(q, scales, zeros)
+    assert packed.shape == (2, 32, 64) and scale_zeros.shape == (2, 2, 2, 64) and scale_zeros.dtype == torch.bfloat16
+    for n in (0, 9, 64, 69):  # [layout group, input group, scales | zeros, output]
+        assert torch.equal(scale_zeros[n // 64, :, 0, n % 64].float(), scales[n])
+        assert torch.equal(scale_zeros[n // 64, :, 1, n % 64].float(), zeros[n])
     for n in (0, 1, 9, 17, 63, 64, 69):
         j, m, i = (n % 64) // 16, (n % 16) // 2, n % 2
         byte = packed[n // 64, :, 8 * m + 2 * j + i].to(torch.int32)  # [K/2]
@@ -91,6 +95,8 @@ def test_the_pair_layout_takes_bf16_only_and_an_int4_layer_called_otherwise_fall
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="pair layout takes bf16"):
         gemv_int4_cpu.few_rows_linear(x, packed, scale_offsets, bias, 40, 32)
+    with pytest.raises(RuntimeError, match="bf16 scales and zeros"):  # the AVX2 layout's fp32 scales and offsets
+        gemv_int4_cpu.few_rows_linear(x.bfloat16(), packed, scale_offsets.float(), bias, 40, 32)
     out = gemv_int4_cpu.int4_linear(x, packed, scale_offsets, bias, 40, 32, 16, layer.dense_weight(torch.float32),
                                     None, None, layer.bias)  # float32 rows: the dense copy, not the kernel
     torch.testing.assert_close(out, x @ layer.dense_weight(torch.float32).T + layer.bias)

@@ -151,17 +151,23 @@ void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* sc
 // four vectors of 16 outputs (byte 8 m + 2 j + i: output 16 j + 2 m + i). One load of the line, then
 // per vector one vpmultishiftqb picks each output's two nibbles into bytes 0 and 2 of its 32-bit lane,
 // and one vpternlogq masks them and ors in 0x43 as the high bytes: bf16 0x43q = 128 + q, exact. So a
-// row's sum over a group is sum x (q + 128), from which 128 * xsum is taken before the group's scale
-// and offset are applied (acc * s + xsum * o, as the AVX2 path). Every product is exact in fp32 (bf16 x
-// times an 8-bit integer); the sums are fp32.
+// row's sum over a group is sum x (q + 128), from which 136 * xsum is taken (sum x (q - 8)) before the
+// group's scale and zero are applied: acc * s + xsum * z. Every product is exact in fp32 (bf16 x times
+// an 8-bit integer); the sums are fp32. Scales and zeros are bf16 (they are bf16 values by construction,
+// models/quant.py), [ceil(N / 64), K / group, 2, 64]: 1 bit per weight at groups of 32, where fp32
+// scales and offsets read 2 (a third of the bytes at one row, where this kernel streams ~29 GB/s).
 // Why: the AVX2 path widens each weight to fp32 and multiplies with FMAs, compute-bound at about
 // 12 GB/s of int4 weights on a 2-core AVX-512 EPYC (a 1B model decoded at 0.47x llama.cpp's Q4_0).
 constexpr bool kPairKernel = true;
 
 // Tiles: R rows x NV vectors of 16 outputs, vectors j0 .. j0 + NV - 1 of a layout group (first output n0).
+inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 values as fp32 (exact: a 16-bit shift)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
 template <int R, int NV, typename out_t>
 inline void pair_tile(const at::BFloat16* x, const float* xsum, const uint8_t* w, int64_t K, int64_t group,
-                      const float* so, int j0, int64_t n0, int64_t N, const float* bias, out_t* y) {
+                      const at::BFloat16* sz, int j0, int64_t n0, int64_t N, const float* bias, out_t* y) {
   // Vector j's pick: bytes 0, 2, 4, 6 of each 64-bit lane take the line's bits 16 j + 0, 4, 8, 12.
   __m512i picks[NV];
 #pragma GCC unroll 4
@@ -195,16 +201,18 @@ inline void pair_tile(const at::BFloat16* x, const float* xsum, const uint8_t* w
         for (int j = 0; j < NV; ++j) acc[r * NV + j] = _mm512_dpbf16_ps(acc[r * NV + j], xv, wv[j]);
       }
     }
-    const float* s = so + kg * 2 * kGroup;  // this layout group's scales, then offsets, of its 64 outputs
+    const at::BFloat16* s = sz + kg * 2 * kGroup;  // this layout group's scales, then zeros, of its 64 outputs
+    __m512 scale[NV], zero[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) scale[j] = load_bf16(s + (j0 + j) * 16), zero[j] = load_bf16(s + kGroup + (j0 + j) * 16);
 #pragma GCC unroll 6
     for (int r = 0; r < R; ++r) {
       const float xs = xsum[r * groups + kg];
-      const __m512 xsv = _mm512_set1_ps(xs), lifted = _mm512_set1_ps(-128.0f * xs);
+      const __m512 xsv = _mm512_set1_ps(xs), lifted = _mm512_set1_ps(-136.0f * xs);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) {
-        const __m512 sums = _mm512_add_ps(acc[r * NV + j], lifted);  // sum x q
-        const __m512 t = _mm512_fmadd_ps(sums, _mm512_loadu_ps(s + (j0 + j) * 16), total[r * NV + j]);
-        total[r * NV + j] = _mm512_fmadd_ps(xsv, _mm512_loadu_ps(s + kGroup + (j0 + j) * 16), t);
+        const __m512 sums = _mm512_add_ps(acc[r * NV + j], lifted);  // sum x (q - 8)
+        total[r * NV + j] = _mm512_fmadd_ps(xsv, zero[j], _mm512_fmadd_ps(sums, scale[j], total[r * NV + j]));
       }
     }
   }
@@ -216,16 +224,16 @@ inline void pair_tile(const at::BFloat16* x, const float* xsum, const uint8_t* w
 
 template <int R>
 inline void pair_group_rows(const at::BFloat16* x, const float* xsum, const uint8_t* wgroup, int64_t K,
-                            int64_t group, const float* so, int64_t g, int64_t N, const float* bias, at::BFloat16* y) {
+                            int64_t group, const at::BFloat16* sz, int64_t g, int64_t N, const float* bias, at::BFloat16* y) {
   constexpr int NV = R == 1 ? 4 : 2;  // accumulators and totals: 2 R NV of the 32 zmm registers
   for (int j = 0; j < kGroup / 16; j += NV) {
     const int64_t n0 = g * kGroup + j * 16;
     if (n0 >= N) break;
-    pair_tile<R, NV>(x, xsum, wgroup, K, group, so, j, n0, N, bias, y);
+    pair_tile<R, NV>(x, xsum, wgroup, K, group, sz, j, n0, N, bias, y);
   }
 }
 
-void pair_gemm_rows(const at::BFloat16* x, int64_t M, const uint8_t* packed, const float* scale_offsets, int64_t N,
+void pair_gemm_rows(const at::BFloat16* x, int64_t M, const uint8_t* packed, const at::BFloat16* scale_zeros, int64_t N,
                     int64_t K, int64_t group, const float* bias, at::BFloat16* y) {
   constexpr int kMaxPairRows = 6;
   const int64_t groups = K / group, layout_groups = (N + kGroup - 1) / kGroup;
@@ -233,12 +241,12 @@ void pair_gemm_rows(const at::BFloat16* x, int64_t M, const uint8_t* packed, con
   at::parallel_for(0, layout_groups, 1, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const uint8_t* wgroup = packed + g * K * 32;
-      const float* so = scale_offsets + g * groups * 2 * kGroup;
+      const at::BFloat16* sz = scale_zeros + g * groups * 2 * kGroup;
       for (int64_t m = 0; m < M; m += kMaxPairRows) {
         const at::BFloat16* xm = x + m * K;
         const float* sm = xsum.data() + m * groups;
         at::BFloat16* ym = y + m * N;
-        with_rows<kMaxPairRows>(M - m, [&](auto R) { pair_group_rows<R()>(xm, sm, wgroup, K, group, so, g, N, bias, ym); });
+        with_rows<kMaxPairRows>(M - m, [&](auto R) { pair_group_rows<R()>(xm, sm, wgroup, K, group, sz, g, N, bias, ym); });
       }
     }
   });
@@ -250,7 +258,8 @@ constexpr bool kPairKernel = false;
 }  // namespace
 
 // x [M, K] bf16/fp16/fp32, packed [ceil(N/64), K, 32] uint8, scale_offsets [ceil(N/64), K/group, 2, 64]
-// fp32, bias [N] fp32 or None -> y [M, N] in x's dtype
+// fp32 (scales, offsets), bias [N] fp32 or None -> y [M, N] in x's dtype. The pair layout: x bf16, packed
+// [ceil(N/64), K/2, 64], scale_offsets bf16 [ceil(N/64), K/group, 2, 64] (scales, zeros).
 torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_offsets,
                         const c10::optional<torch::Tensor>& bias, int64_t N, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, "2-D input and uint8 packed weights");
@@ -262,9 +271,9 @@ torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& packed, con
               "weights are not in the packed layout [ceil(N / 64), K, 32] (or the pair layout [ceil(N / 64), K / 2, 64])");
   TORCH_CHECK(!pairs || (kPairKernel && x.scalar_type() == at::kBFloat16 && group % 2 == 0),
               "the pair layout takes bf16 activations on a CPU with AVX-512 BF16 and VBMI");
-  TORCH_CHECK(scale_offsets.scalar_type() == at::kFloat && scale_offsets.is_contiguous() &&
+  TORCH_CHECK(scale_offsets.scalar_type() == (pairs ? at::kBFloat16 : at::kFloat) && scale_offsets.is_contiguous() &&
                   scale_offsets.numel() == layout_groups * (K / group) * 2 * kGroup,
-              "fp32 scales and offsets [ceil(N / 64), K / group, 2, 64]");
+              "fp32 scales and offsets [ceil(N / 64), K / group, 2, 64] (the pair layout: bf16 scales and zeros)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "fp32 bias, one per output");
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
@@ -272,8 +281,8 @@ torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& packed, con
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
   if (pairs) {
     const auto xc = x.contiguous();
-    pair_gemm_rows(xc.data_ptr<at::BFloat16>(), M, packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<float>(), N, K,
-                   group, b, y.data_ptr<at::BFloat16>());
+    pair_gemm_rows(xc.data_ptr<at::BFloat16>(), M, packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<at::BFloat16>(),
+                   N, K, group, b, y.data_ptr<at::BFloat16>());
     return y;
   }
 #endif

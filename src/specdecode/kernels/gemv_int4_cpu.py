@@ -50,12 +50,16 @@ def pack(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[to
 
 def _scale_offsets(scales: torch.Tensor, zeros: torch.Tensor) -> torch.Tensor:
     """scales, zeros [N, K/g] -> [ceil(N/64), K/g, 2, 64] fp32: each group's scales s, then offsets z - 8 s."""
-    N = scales.shape[0]
+    return _by_layout_group(scales, zeros.float() - 8 * scales.float())
+
+
+def _by_layout_group(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """Two [N, K/g] per-group tensors -> [ceil(N/64), K/g, 2, 64] fp32 (zero-padded outputs)."""
+    N = first.shape[0]
     groups = -(-N // GROUP)
-    s, z = scales.float(), zeros.float()
-    so = torch.zeros(groups * GROUP, 2, s.shape[1])
-    so[:N, 0], so[:N, 1] = s, z - 8 * s
-    return so.view(groups, GROUP, 2, -1).permute(0, 3, 2, 1).contiguous()
+    both = torch.zeros(groups * GROUP, 2, first.shape[1])
+    both[:N, 0], both[:N, 1] = first.float(), second.float()
+    return both.view(groups, GROUP, 2, -1).permute(0, 3, 2, 1).contiguous()
 
 
 def pair_kernel() -> bool:
@@ -65,10 +69,10 @@ def pair_kernel() -> bool:
 
 
 def pack_pairs(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout of the bf16 path: q [N, K] values in [0, 15] (K even), scales and zeros [N, K / g] ->
-    (packed [ceil(N/64), K/2, 64] uint8: the line of input pair p holds each output's q[2p] in the low
-    nibble and q[2p + 1] in the high one, output 16 j + 2 m + i at byte 8 m + 2 j + i; scale_offsets as
-    `pack`'s)."""
+    """The layout of the bf16 path: q [N, K] values in [0, 15] (K even), scales and zeros [N, K / g]
+    (bf16 values) -> (packed [ceil(N/64), K/2, 64] uint8: the line of input pair p holds each output's
+    q[2p] in the low nibble and q[2p + 1] in the high one, output 16 j + 2 m + i at byte 8 m + 2 j + i;
+    scale_zeros [ceil(N/64), K/g, 2, 64] bf16: each group's scales, then its zeros)."""
     N, K = q.shape
     groups = -(-N // GROUP)
     padded = q.new_zeros(groups * GROUP, K)
@@ -77,7 +81,7 @@ def pack_pairs(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tu
     by_output = pairs[..., 0] | (pairs[..., 1] << 4)  # [G, K/2, 64], byte n: output n
     position = torch.arange(GROUP)
     output_at = 16 * ((position % 8) // 2) + 2 * (position // 8) + position % 2  # the output byte `position` holds
-    return by_output[..., output_at].contiguous(), _scale_offsets(scales, zeros)
+    return by_output[..., output_at].contiguous(), _by_layout_group(scales, zeros).bfloat16()
 
 
 def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, scale_offsets: torch.Tensor, bias: torch.Tensor | None,
