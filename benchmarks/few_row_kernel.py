@@ -1,12 +1,17 @@
 """The few-row kernels against PyTorch's, by rows: bf16 (kernels/gemv_cpu.cpp) against oneDNN's
-packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_mm`.
+packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_mm`, int4
+(kernels/gemv_int4_cpu.cpp, its bf16 pair layout where the CPU has one) against
+`torch._weight_int4pack_mm_for_cpu`.
 
     python benchmarks/few_row_kernel.py --out benchmarks/results/engine/few_row_kernel.json
     python benchmarks/few_row_kernel.py --kind int8 --out benchmarks/results/engine/few_row_kernel_int8.json
+    python benchmarks/few_row_kernel.py --kind int4 --shapes 1b --repeats 5
 
-Every linear layer of the default model in turn (25 matmuls, as in one forward, so each comes
-after the others' weights), random weights of those shapes, 1-16 rows, 2 threads; the
-fastest of `--repeats` passes per kernel and width, the kernels interleaved pass by pass.
+Every linear layer of the model in turn (`--shapes default`: the default model's 25 matmuls;
+`1b`: the 1B random Llama's 89, benchmarks/make_random_llama.py, whose weights stream from
+memory), as in one forward, so each comes after the others' weights; random weights of those
+shapes, 1-16 rows, 2 threads; the fastest of `--repeats` passes per kernel and width, the kernels
+interleaved pass by pass.
 """
 
 from __future__ import annotations
@@ -22,7 +27,11 @@ from specdecode.kernels import gemv_cpu, gemv_int8_cpu
 from specdecode.models.quant import QuantScheme, quantize_weight
 
 # The default model: per layer qkv 512 -> 1024, o 512 -> 512, gate/up 512 -> 2816, down 1408 -> 512; 6 layers; LM head 512 -> 8192.
-LAYERS = [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 6 + [(8192, 512)]
+SHAPES = {
+    "default": [(1024, 512), (512, 512), (2816, 512), (512, 1408)] * 6 + [(8192, 512)],
+    # The 1B model: qkv 2048 -> 3072, o 2048 -> 2048, gate/up 2048 -> 11264, down 5632 -> 2048; 22 layers; head 2048 -> 8192.
+    "1b": [(3072, 2048), (2048, 2048), (11264, 2048), (2048, 5632)] * 22 + [(8192, 2048)],
+}
 ROWS = [1, 2, 3, 4, 8, 16]
 
 
@@ -50,19 +59,45 @@ def int8_kernels(weights: list[torch.Tensor]) -> dict:
     }
 
 
+def int4_kernels(weights: list[torch.Tensor]) -> dict:
+    from specdecode.kernels import gemv_int4_cpu
+    from specdecode.models.quant import DEFAULT_INT4_GROUP
+
+    if not gemv_int4_cpu.fits(weights[0].shape[1], DEFAULT_INT4_GROUP, "cpu"):
+        raise SystemExit("the few-row int4 kernel does not run here (it needs AVX2, FMA and a C++ compiler)")
+    scheme = QuantScheme.parse("int4")
+    stored = [quantize_weight(w, scheme) for w in weights]
+    unpacked = [torch.stack((q["qweight"] & 0xF, q["qweight"] >> 4), dim=-1).view(w.shape).to(torch.int32)
+                for q, w in zip(stored, weights)]
+    pack = gemv_int4_cpu.pack_pairs if gemv_int4_cpu.pair_kernel() else gemv_int4_cpu.pack
+    ours = [pack(u, q["scales"], q["zeros"]) for u, q in zip(unpacked, stored)]
+    theirs = [(torch._convert_weight_to_int4pack_for_cpu(u, 1),
+               torch.stack((q["scales"], q["zeros"]), dim=-1).transpose(0, 1).contiguous().bfloat16())
+              for u, q in zip(unpacked, stored)]
+    group = scheme.group_size
+    return {
+        "int4pack": lambda xs: [torch._weight_int4pack_mm_for_cpu(x, p, group, sz) for x, (p, sz) in zip(xs, theirs)],
+        "few_rows": lambda xs: [gemv_int4_cpu.few_rows_linear(x, p, so, None, w.shape[0], group)
+                                for x, (p, so), w in zip(xs, ours, weights)],
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kind", choices=("bf16", "int8"), default="bf16")
+    parser.add_argument("--kind", choices=("bf16", "int8", "int4"), default="bf16")
+    parser.add_argument("--shapes", choices=tuple(SHAPES), default="default", help="whose layer shapes")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
-    weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in LAYERS]
-    kernels = bf16_kernels(weights) if args.kind == "bf16" else int8_kernels(weights)
-    result = {"kind": args.kind, "threads": torch.get_num_threads(), "torch": torch.__version__, "ms_per_forward": {}}
+    layers = SHAPES[args.shapes]
+    weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in layers]
+    kernels = {"bf16": bf16_kernels, "int8": int8_kernels, "int4": int4_kernels}[args.kind](weights)
+    result = {"kind": args.kind, "shapes": args.shapes, "threads": torch.get_num_threads(), "torch": torch.__version__,
+              "ms_per_forward": {}}
     with torch.inference_mode():
         for rows in ROWS:
-            xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in LAYERS]
+            xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in layers]
             best = {name: float("inf") for name in kernels}
             for name, fn in kernels.items():
                 fn(xs)  # warm-up
