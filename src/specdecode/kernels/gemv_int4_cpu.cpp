@@ -155,16 +155,16 @@ void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* sc
 // group's scale and zero are applied: acc * s + xsum * z. Every product is exact in fp32 (bf16 x times
 // an 8-bit integer); the sums are fp32. Scales and zeros are bf16 (they are bf16 values by construction,
 // models/quant.py), [ceil(N / 64), K / group, 2, 64]: 1 bit per weight at groups of 32, where fp32
-// scales and offsets read 2 (a third of the bytes at one row, where this kernel streams ~29 GB/s).
+// scales and offsets read 2 (a third of the bytes at one row, where this kernel streams ~30-37 GB/s).
 // Why: the AVX2 path widens each weight to fp32 and multiplies with FMAs, compute-bound at about
 // 12 GB/s of int4 weights on a 2-core AVX-512 EPYC (a 1B model decoded at 0.47x llama.cpp's Q4_0).
 constexpr bool kPairKernel = true;
 
-// Tiles: R rows x NV vectors of 16 outputs, vectors j0 .. j0 + NV - 1 of a layout group (first output n0).
 inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 values as fp32 (exact: a 16-bit shift)
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
 
+// Tiles: R rows x NV vectors of 16 outputs, vectors j0 .. j0 + NV - 1 of a layout group (first output n0).
 template <int R, int NV, typename out_t>
 inline void pair_tile(const at::BFloat16* x, const float* xsum, const uint8_t* w, int64_t K, int64_t group,
                       const at::BFloat16* sz, int j0, int64_t n0, int64_t N, const float* bias, out_t* y) {
