@@ -111,11 +111,11 @@ def few_row_ops(name: str, source: Path, namespace: str, ops: tuple[str, ...], f
     output [..., out_features]."""
     module = optional_extension(name, source, "SPECDECODE_FEW_ROW_KERNELS", FEW_ROW_FLAGS, fallback)
     if module is not None:
-        _register_fake_kernels(namespace, ops)
+        register_fake_kernels(namespace, ops)
     return module
 
 
 @functools.cache  # once per process, however often the extension is asked for again
-def _register_fake_kernels(namespace: str, ops: tuple[str, ...]) -> None:
+def register_fake_kernels(namespace: str, ops: tuple[str, ...]) -> None:
     for op in ops:
         torch.library.register_fake(f"{namespace}::{op}")(lambda x, *args: x.new_empty(*x.shape[:-1], args[3]))

@@ -184,7 +184,7 @@ FEW_ROW_KINDS = (
                                           and gemv_cpu.fits(m.in_features, dtype, m.packed.device)),
                 lambda m, dtype: (gemv_cpu.block_weight(m.dense_weight()),), _bf16_few_rows),
     # bf16/fp16 activations (against PyTorch's int kernel) and float32 ones (against the dense copy).
-    _FewRowKind("int8", gemv_int8_cpu.SOURCE, lambda m, dtype: (isinstance(m, QuantizedLinear) and m.scheme.bits == 8 and not m.is_view
+    _FewRowKind("int8", gemv_int8_cpu.SOURCE, lambda m, dtype: (isinstance(m, QuantizedLinear) and m.scheme.bits == 8 and m.scheme.weight_only and not m.is_view
                                           and dtype in (torch.bfloat16, torch.float16, torch.float32)
                                           and gemv_int8_cpu.fits(m.in_features, m.qweight.device)),
                 lambda m, dtype: (gemv_int8_cpu.block_weight(m.qweight), m.scales.float().contiguous(),

@@ -1,4 +1,4 @@
-"""Weight-only quantisation: int8 per output channel, int4 in groups along the input.
+"""Weight-only quantisation: int8 per output channel, int4 in groups along the input; and W8A8.
 
 `quantize_module` replaces every linear layer of a frozen inference model (the target, a
 draft model, an EAGLE/MTP/DFlash/DSpark/Medusa drafter) by a `QuantizedLinear`; embeddings
@@ -27,6 +27,11 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
   the weight): float32 + int8 decoding measured 3.4x the dense copy's speed here; int4 layers
   (QAT int4 drafters next to a float32 target) take the int4 few-row kernel the same way.
 A layer whose input width is no multiple of the int4 group size stays in the model's dtype.
+
+`w8a8` (opt-in) is not weight-only: int8 weights as `int8` stores them, times activations quantised
+to int8 per row and block of 32 inputs at every matmul (llama.cpp's Q8_0 form), so it is another model,
+with its own quality cost (BENCHMARKS.md). Its kernel (kernels/gemm_w8a8_cpu.cpp, AVX-512 VNNI) serves
+every width and is bitwise width-invariant; elsewhere PyTorch ops compute the same numbers, slower.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.kernels import gemv_int4_cpu, gemv_int8_cpu
+from specdecode.kernels import gemm_w8a8_cpu, gemv_int4_cpu, gemv_int8_cpu
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +58,24 @@ DEFAULT_INT4_GROUP = 32  # measured: the highest top-1 agreement with bf16 (95.0
 class QuantScheme:
     bits: int  # 8 or 4
     group_size: int | None  # int4: input columns sharing one scale and zero; int8: None (per output channel)
+    # None: weight-only (activations in the model's dtype); 8: activations quantised to int8 per row
+    # and block of 32 inputs at every matmul (`w8a8`, kernels/gemm_w8a8_cpu.py), a model of its own.
+    activation_bits: int | None = None
 
     @property
     def name(self) -> str:
+        if self.activation_bits is not None:
+            return f"w{self.bits}a{self.activation_bits}"
         return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+
+    @property
+    def weight_only(self) -> bool:
+        return self.activation_bits is None
 
     @classmethod
     def parse(cls, spec: "str | QuantScheme | None") -> "QuantScheme | None":
-        """None / "none" -> None; "int8"; "int4" (groups of 32); "int4-g32" / "int4-g64" / "int4-g128"."""
+        """None / "none" -> None; "int8"; "int4" (groups of 32); "int4-g32" / "int4-g64" / "int4-g128";
+        "w8a8" (int8 weights per channel, int8 activations per block of 32)."""
         if spec is None or isinstance(spec, QuantScheme):
             return spec
         from specdecode.errors import ConfigError
@@ -72,13 +87,22 @@ class QuantScheme:
             return None
         if text == "int8":
             return cls(8, None)
+        if text == "w8a8":
+            return cls(8, None, 8)
         match = re.fullmatch(r"int4(?:-g(\d+))?", text)
         if match:
             group = int(match.group(1) or DEFAULT_INT4_GROUP)
             if group in INT4_GROUP_SIZES:
                 return cls(4, group)
         raise ConfigError(f"quantization {spec!r} is not supported; accepted: none, int8, int4 "
-                          f"(groups of {DEFAULT_INT4_GROUP}), " + ", ".join(f"int4-g{g}" for g in INT4_GROUP_SIZES))
+                          f"(groups of {DEFAULT_INT4_GROUP}), " + ", ".join(f"int4-g{g}" for g in INT4_GROUP_SIZES)
+                          + ", w8a8")
+
+    def fits(self, in_features: int) -> bool:
+        """Whether a layer of this input size can take the scheme (int4: whole groups; w8a8: whole
+        activation blocks); one that cannot stays in the model's dtype."""
+        unit = gemm_w8a8_cpu.BLOCK if self.activation_bits is not None else self.group_size
+        return unit is None or in_features % unit == 0
 
 
 def quantize_weight(weight: torch.Tensor, scheme: QuantScheme) -> dict[str, torch.Tensor]:
@@ -143,7 +167,7 @@ class QuantizedLinear(nn.Module):
     # ---- the weight it stands for --------------------------------------------------------
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] float32: the exact weight every kernel multiplies by."""
+        """[N, K] float32: the exact weight every kernel multiplies by (w8a8: by the quantised activations)."""
         if self.scheme.bits == 8:
             return self.qweight.float() * self.scales[:, None]
         N, K, g = self.out_features, self.in_features, self.scheme.group_size
@@ -158,14 +182,38 @@ class QuantizedLinear(nn.Module):
     # ---- kernels -------------------------------------------------------------------------
 
     def _uses_kernel(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether PyTorch's weight-only int kernels serve `dtype` activations (w8a8 layers: never)."""
+        if not self.scheme.weight_only:
+            return False
         # The CPU int4 kernel packs output rows in blocks of 16; other layers take the dense path.
         shape_ok = self.scheme.bits == 8 or self.out_features % 16 == 0
         return shape_ok and device.type == "cpu" and dtype in (torch.bfloat16, torch.float16)
 
     def uses_dense_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether, without its few-row kernel or a wide copy, the layer multiplies `dtype`
-        activations by its dequantised weight (`F.linear`), not by PyTorch's int kernels."""
-        return not self._uses_kernel(dtype, device)
+        activations by its dequantised weight (`F.linear`), not by PyTorch's int kernels (nor, w8a8,
+        by quantised activations)."""
+        return self.scheme.weight_only and not self._uses_kernel(dtype, device)
+
+    def w8a8_arguments(self, device: torch.device) -> tuple | None:
+        """What `gemm_w8a8_cpu.w8a8_linear` takes after x (the kernel's weight layout, padded fp32
+        scales and bias, out features), built once; None where the kernel does not serve `device`."""
+        if not gemm_w8a8_cpu.available(device):
+            return None
+        key = ("w8a8", device)
+        if key not in self._kernel_weights:
+            bias = None if self.bias is None else gemm_w8a8_cpu.pad_outputs(self.bias)
+            self._kernel_weights[key] = (gemm_w8a8_cpu.pack_weight(self.qweight), gemm_w8a8_cpu.pad_outputs(self.scales),
+                                         bias, self.out_features)
+        return self._kernel_weights[key]
+
+    def _w8a8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantised activations times int8 weights: the kernel (float32 / bf16 activations on a CPU with
+        AVX-512 VNNI), else the same numbers from PyTorch ops."""
+        arguments = self.w8a8_arguments(x.device) if x.dtype in (torch.float32, torch.bfloat16) else None
+        if arguments is not None:
+            return gemm_w8a8_cpu.w8a8_linear(x, *arguments)
+        return gemm_w8a8_cpu.reference(x, self.qweight, self.scales, self.bias)
 
     def _kernel_tensors(self, dtype: torch.dtype) -> tuple:
         key = (dtype, self.qweight.device)
@@ -181,7 +229,9 @@ class QuantizedLinear(nn.Module):
     def prepare(self, dtype: torch.dtype) -> None:
         """Build what forward will use for `dtype` activations now, not on the first call (a
         compiled forward traced the lazy build and recompiled once it existed)."""
-        if self._uses_kernel(dtype, self.qweight.device):
+        if not self.scheme.weight_only:
+            self.w8a8_arguments(self.qweight.device)
+        elif self._uses_kernel(dtype, self.qweight.device):
             self._kernel_tensors(dtype)
         else:
             self.dense_weight(dtype)
@@ -208,6 +258,8 @@ class QuantizedLinear(nn.Module):
         return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.scheme.weight_only:  # one kernel at every width: no few-row or wide choice
+            return self._w8a8_matmul(x)
         compiling = torch.compiler.is_compiling()
         if self.wide is not None and not compiling and x.numel() >= self.wide[1] * self.in_features:
             return self.wide[0](x)  # a wide forward: the dense copy (bias included)
@@ -310,7 +362,7 @@ def quantize_module(module: nn.Module, scheme: QuantScheme | None, cache: "Quant
     def fits(weight: torch.Tensor) -> bool:
         # An input width that is no multiple of the int4 group (DSpark's rank-16 Markov head) keeps
         # that layer in the model's dtype; it is small by construction.
-        return scheme.group_size is None or weight.shape[1] % scheme.group_size == 0
+        return scheme.fits(weight.shape[1])
 
     def fused_layer(name: str, fused):
         if not fits(fused.weight):

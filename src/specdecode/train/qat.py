@@ -42,12 +42,16 @@ def enable_qat(drafter: nn.Module, scheme: QuantScheme, exclude: tuple[nn.Module
     """Turn the drafter's served-quantised linear layers into FakeQuantLinear (in place); the
     layers of the `exclude` modules (the target, whose layers a drafter may hold) are left
     alone. Returns the names of the layers changed."""
+    if not scheme.weight_only:
+        from specdecode.errors import ConfigError
+
+        raise ConfigError(f"quantisation-aware training covers weight-only schemes (int8, int4-g*), not {scheme.name}")
     shared = {id(m) for module in exclude for m in module.modules()}
     changed = []
     for name, module in drafter.named_modules():
         if type(module) is not nn.Linear or id(module) in shared:
             continue
-        if scheme.group_size is not None and module.in_features % scheme.group_size:
+        if not scheme.fits(module.in_features):
             continue  # serving keeps this layer in the model's dtype too (quantize_module's `fits`)
         module.__class__ = FakeQuantLinear
         module.qat_scheme = scheme
