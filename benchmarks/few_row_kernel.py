@@ -1,13 +1,15 @@
 """The few-row kernels against PyTorch's, by rows: bf16 (kernels/gemv_cpu.cpp) against oneDNN's
 packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_mm`, int4
 (kernels/gemv_int4_cpu.cpp, its bf16 pair layout where the CPU has one) against
-`torch._weight_int4pack_mm_for_cpu`, W8A8 (kernels/gemm_w8a8_cpu.cpp, int8 activations) against
-the packed bf16 matmul and the int8 weight-only few-row kernel.
+`torch._weight_int4pack_mm_for_cpu`, W8A8 (kernels/gemm_a8_cpu.cpp, int8 activations) against
+the packed bf16 matmul and the int8 weight-only few-row kernel, W4A8 against the bf16 one and the
+int4 weight-only few-row kernel (its bf16 pair layout).
 
     python benchmarks/few_row_kernel.py --out benchmarks/results/engine/few_row_kernel.json
     python benchmarks/few_row_kernel.py --kind int8 --out benchmarks/results/engine/few_row_kernel_int8.json
     python benchmarks/few_row_kernel.py --kind int4 --shapes 1b --repeats 5
     python benchmarks/few_row_kernel.py --kind w8a8
+    python benchmarks/few_row_kernel.py --kind w4a8
 
 Every linear layer of the model in turn (`--shapes default`: the default model's 25 matmuls;
 `1b`: the 1B random Llama's 89, benchmarks/make_random_llama.py, whose weights stream from
@@ -85,25 +87,43 @@ def int4_kernels(weights: list[torch.Tensor]) -> dict:
 
 
 def w8a8_kernels(weights: list[torch.Tensor]) -> dict:
-    from specdecode.kernels import gemm_w8a8_cpu
+    from specdecode.kernels import gemm_a8_cpu
 
-    if not (gemm_w8a8_cpu.available("cpu") and gemv_int8_cpu.fits(512, "cpu")):
+    if not (gemm_a8_cpu.available("cpu") and gemv_int8_cpu.fits(512, "cpu")):
         raise SystemExit("the W8A8 kernel does not run here (it needs AVX-512 VNNI and a C++ compiler)")  # (and the int8 kernel)
     stored = [quantize_weight(w, QuantScheme.parse("int8")) for w in weights]
-    ours = [(gemm_w8a8_cpu.pack_weight(q["qweight"]), gemm_w8a8_cpu.pad_outputs(q["scales"])) for q in stored]
+    ours = [(gemm_a8_cpu.pack_w8(q["qweight"]), gemm_a8_cpu.pad_outputs(q["scales"])) for q in stored]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
     blocked = [gemv_int8_cpu.block_weight(q["qweight"]) for q in stored]
     return {
         "bf16_onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed)],
         "int8_few_rows": lambda xs: [gemv_int8_cpu.few_rows_linear(x, b, q["scales"], None, w.shape[0])
                                      for x, b, q, w in zip(xs, blocked, stored, weights)],
-        "w8a8": lambda xs: [gemm_w8a8_cpu.w8a8_linear(x, p, s, None, w.shape[0]) for x, (p, s), w in zip(xs, ours, weights)],
+        "w8a8": lambda xs: [gemm_a8_cpu.w8a8_linear(x, p, s, None, w.shape[0]) for x, (p, s), w in zip(xs, ours, weights)],
+    }
+
+
+def w4a8_kernels(weights: list[torch.Tensor]) -> dict:
+    from specdecode.kernels import gemm_a8_cpu, gemv_int4_cpu
+    from specdecode.models.quant import QuantizedLinear
+
+    if not (gemm_a8_cpu.available("cpu") and gemv_int4_cpu.fits(512, 32, "cpu") and gemv_int4_cpu.pair_kernel()):
+        raise SystemExit("the W4A8 kernel does not run here (it needs AVX-512 VNNI and BF16, and a C++ compiler)")
+    layers = [QuantizedLinear.from_weight(w.float(), None, QuantScheme.parse("w4a8")) for w in weights]
+    ours = [layer.a8_arguments(torch.device("cpu")) for layer in layers]
+    pairs = [gemv_int4_cpu.pack_pairs(layer.unpacked_int4(), layer.scales, layer.zeros) for layer in layers]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
+    return {
+        "bf16_onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed)],
+        "int4_few_rows": lambda xs: [gemv_int4_cpu.few_rows_linear(x, p, so, None, w.shape[0], 32)
+                                     for x, (p, so), w in zip(xs, pairs, weights)],
+        "w4a8": lambda xs: [gemm_a8_cpu.w4a8_linear(x, *args) for x, args in zip(xs, ours)],
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kind", choices=("bf16", "int8", "int4", "w8a8"), default="bf16")
+    parser.add_argument("--kind", choices=("bf16", "int8", "int4", "w8a8", "w4a8"), default="bf16")
     parser.add_argument("--shapes", choices=tuple(SHAPES), default="default", help="whose layer shapes")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
@@ -111,7 +131,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     layers = SHAPES[args.shapes]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in layers]
-    kernels = {"bf16": bf16_kernels, "int8": int8_kernels, "int4": int4_kernels, "w8a8": w8a8_kernels}[args.kind](weights)
+    kernels = {"bf16": bf16_kernels, "int8": int8_kernels, "int4": int4_kernels, "w8a8": w8a8_kernels, "w4a8": w4a8_kernels}[args.kind](weights)
     result = {"kind": args.kind, "shapes": args.shapes, "threads": torch.get_num_threads(), "torch": torch.__version__,
               "ms_per_forward": {}}
     with torch.inference_mode():

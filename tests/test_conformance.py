@@ -38,7 +38,7 @@ def test_greedy_equals_plain_decoding(native_model, spec_config):
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0  # speculation really ran
 
 
-@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8"])
+@pytest.mark.parametrize("quantization", ["int8", "int4", "w8a8", "w4a8"])
 @cases
 def test_greedy_equals_plain_decoding_with_quantised_weights(native_model, spec_config, quantization):
     """Target and drafter quantised (float32 activations, as every greedy-equality test):

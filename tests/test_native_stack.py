@@ -9,7 +9,7 @@ from helpers import make_hf_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.ragged import ForwardEntry
-from specdecode.kernels import decode_stack_cpu, gemm_w8a8_cpu, gemv_int8_cpu
+from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_int8_cpu
 from specdecode.models import kernel_probe, llama, native_stack, wide_kernels
 from specdecode.models.inference import can_pack, detach_few_row_kernels
 from specdecode.models.quant import QuantizedLinear
@@ -99,14 +99,14 @@ def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
 
 @pytest.mark.parametrize("dtype,quantization", [("float32", "int8"), ("float32", None), ("bfloat16", "int8"),
                                                 ("bfloat16", None), ("float32", "int4"), ("bfloat16", "int4"),
-                                                ("float32", "w8a8"), ("bfloat16", "w8a8")])
+                                                ("float32", "w8a8"), ("bfloat16", "w8a8"), ("bfloat16", "w4a8")])
 def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, stack_calls, monkeypatch, dtype,
                                                   quantization):
     # float32 + int4: the int4 few-row kernel up to its width, the layers' dequantised copies past it
     if quantization == "int8" and not gemv_int8_cpu.fits(8, "cpu"):
         pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
-    if quantization == "w8a8" and not gemm_w8a8_cpu.available("cpu"):
-        pytest.skip("the W8A8 kernel needs AVX-512 VNNI")
+    if quantization in ("w8a8", "w4a8") and not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the int8-activation kernels need AVX-512 VNNI")
     _compare(LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2), stack_calls, monkeypatch)
 
 

@@ -140,8 +140,9 @@ def _add_model_args(p, speculative: bool = True, exact: bool = True) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA when available, else CPU), cpu, cuda, cuda:N")
     p.add_argument("--quantization", default=None, metavar="SCHEME",
                    help="quantisation of the target and its drafter: weight-only int8 (per channel), int4 (groups "
-                   "of 32), int4-g64, int4-g128, or w8a8 (int8 weights and activations quantised to int8 per block "
-                   "of 32, llama.cpp Q8_0's form: another model, faster verification on AVX-512 VNNI CPUs); "
+                   "of 32), int4-g64, int4-g128, or w8a8 / w4a8 (int8 / int4-g32 weights, activations quantised to "
+                   "int8 per block of 32 as llama.cpp's Q8_0 / Q4_0 matmuls do: other models, faster verification "
+                   "on AVX-512 VNNI CPUs); "
                    "quantised at load and cached on disk (default: none, dtype weights). "
                    "With the default model, a drafter matched to this scheme is used where one is shipped; the "
                    "drafter's own precision: speculative_config draft_quantization")

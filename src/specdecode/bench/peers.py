@@ -134,9 +134,9 @@ def gguf_file(model_dir: Path) -> Path:
 
 # ---- llama.cpp's own binaries ------------------------------------------------------------------
 
-# our weight precision -> llama.cpp's nearest (Q8_0 is W8A8 in llama.cpp's CPU matmuls: it quantises
-# activations to int8 blocks of 32 as our w8a8 does)
-GGUF_TYPE = {None: "F16", "int8": "Q8_0", "int4": "Q4_0", "w8a8": "Q8_0"}
+# our weight precision -> llama.cpp's nearest (its CPU matmuls of Q8_0 / Q4_0 weights quantise the
+# activations to int8 blocks of 32, as our w8a8 / w4a8 do)
+GGUF_TYPE = {None: "F16", "int8": "Q8_0", "int4": "Q4_0", "w8a8": "Q8_0", "w4a8": "Q4_0"}
 
 
 def llama_cpp_bin_dir() -> Path:

@@ -5,13 +5,13 @@
 // rest is Python around ~150 small ops a forward (module calls, views, splits, RoPE, cache writes).
 // llama.cpp's whole token is ~1.2 ms there. This file runs the same ops, in the same order, on the
 // same kernels, from C++: every aten op, the few-row ops (specdecode_int8::int8_linear, int4_linear), the W8A8
-// op (specdecode_w8a8::w8a8_linear) and the
+// ops (specdecode_a8::w8a8_linear, w4a8_linear) and the
 // RMSNorm kernel (specdecode_norm::rms_norm) are called through PyTorch's dispatcher exactly as the
 // Python modules call them, so the results are bit-identical to models/llama.py's forward, and a
 // row's result still does not depend on the rows beside it wherever the Python path's did not.
 //
 // It serves what models/native_stack.py checks: standard attention (GQA, optional q/k norm and
-// biases), a dense SwiGLU MLP, dense, packed bf16, int8, int4 or w8a8 linear layers, a batch whose sequences are contiguous
+// biases), a dense SwiGLU MLP, dense, packed bf16, int8, int4, w8a8 or w4a8 linear layers, a batch whose sequences are contiguous
 // cache rows writing the same columns (decode, chain verification, prefill of one sequence), not
 // exact mode.
 // RoPE's products and sum must round separately, as PyTorch's ops round them (the build passes
@@ -56,14 +56,14 @@ at::Tensor int4_linear_op(const at::Tensor& x, const at::Tensor& packed, const a
   return op.call(x, packed, scale_offsets, few_bias, N, group, few_upto, dense, qweight, qscales, bias);
 }
 
-// specdecode_w8a8::w8a8_linear (gemm_w8a8_cpu.cpp), the W8A8 kernel (its extension loaded first).
-at::Tensor w8a8_linear_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const OptTensor& bias,
-                          int64_t N) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("specdecode_w8a8::w8a8_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                                         int64_t)>();
-  return op.call(x, packed, scales, bias, N);
+// specdecode_a8::w8a8_linear / w4a8_linear (gemm_a8_cpu.cpp), the int8-activation kernels (their extension
+// loaded first); both take (x, packed weights, scales (w4a8: and zeros), bias, out features).
+at::Tensor a8_linear_op(int weight_bits, const at::Tensor& x, const at::Tensor& packed, const at::Tensor& params,
+                        const OptTensor& bias, int64_t N) {
+  using Signature = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t);
+  static auto w8 = c10::Dispatcher::singleton().findSchemaOrThrow("specdecode_a8::w8a8_linear", "").typed<Signature>();
+  static auto w4 = c10::Dispatcher::singleton().findSchemaOrThrow("specdecode_a8::w4a8_linear", "").typed<Signature>();
+  return (weight_bits == 8 ? w8 : w4).call(x, packed, params, bias, N);
 }
 
 // specdecode_bf16::gemm_bf16 (gemv_cpu.cpp), the few-row bf16 kernel (its extension loaded first).
@@ -106,14 +106,14 @@ at::Tensor cached_attention_op(const at::Tensor& q, const at::Tensor& keys, cons
 
 // One linear layer as its Python module computes it: an int8 QuantizedLinear with its few-row
 // kernel attached (the int8_linear op's arguments), an int4 QuantizedLinear with its few-row kernel
-// attached (int4_linear's), a w8a8 QuantizedLinear (w8a8_linear's), a PackedLinear (oneDNN's packed weight, and the few-row bf16 kernel's
+// attached (int4_linear's), a w8a8 / w4a8 QuantizedLinear (its op's), a PackedLinear (oneDNN's packed weight, and the few-row bf16 kernel's
 // layout up to `few_upto` rows), or a dense weight: an nn.Linear, a FusedLinear, a quantised
 // layer's dequantised copy (at::linear).
 struct Linear {
-  int bits = 0;  // 0: dense; 8 or 4: the few-row op of that width; 16: packed bf16/fp16; 88: W8A8
+  int bits = 0;  // 0: dense; 8 or 4: the few-row op of that width; 16: packed bf16/fp16; 88 / 48: W8A8 / W4A8
   torch::Tensor weight;  // dense [N, K]; int8 / int4: the few-row kernel's weight layout; packed: oneDNN's
   OptTensor bias;        // dense, packed: the bias; int8 / int4: the bias in the activations' dtype (fallback paths)
-  torch::Tensor few_scales;  // int8: scales; int4: scales and offsets; w8a8: padded fp32 scales
+  torch::Tensor few_scales;  // int8: scales; int4: scales and offsets; w8a8: scales; w4a8: scales and zeros
   OptTensor few_bias, dense, qweight, qscales;
   OptTensor few_blocked;  // packed: the few-row bf16 kernel's layout, served up to few_upto rows (or none)
   // int8 / int4: the dequantised weight as a packed layer, which forwards from wide_from rows on take
@@ -132,7 +132,7 @@ struct Linear {
       }
       return packed_linear_op(x, weight, bias);
     }
-    if (bits == 88) return w8a8_linear_op(x, weight, few_scales, bias, out_features);
+    if (bits == 88 || bits == 48) return a8_linear_op(bits / 10, x, weight, few_scales, bias, out_features);
     if (bits == 8)
       return int8_linear_op(x, weight, few_scales, few_bias, out_features, few_upto, dense, qweight, qscales, bias);
     if (bits == 4)
@@ -181,12 +181,15 @@ Linear int4_linear(torch::Tensor packed, torch::Tensor scale_offsets, OptTensor 
                          few_upto, std::move(dense), std::move(qweight), std::move(qscales), std::move(bias));
 }
 
-Linear w8a8_linear(torch::Tensor packed, torch::Tensor scales, OptTensor bias, int64_t out_features) {
+// weight_bits 8: w8a8, 4: w4a8 (QuantizedLinear.a8_arguments).
+Linear a8_linear(int64_t weight_bits, torch::Tensor packed, torch::Tensor params, OptTensor bias,
+                 int64_t out_features) {
+  TORCH_CHECK(weight_bits == 8 || weight_bits == 4, "a8_linear: weight bits 8 or 4, got ", weight_bits);
   Linear l;
-  l.bits = 88;
+  l.bits = weight_bits == 8 ? 88 : 48;
   l.weight = std::move(packed);
-  l.few_scales = std::move(scales);
-  l.bias = std::move(bias);  // padded fp32, as the op takes it
+  l.few_scales = std::move(params);
+  l.bias = std::move(bias);  // padded fp32, as the ops take it
   l.out_features = out_features;
   return l;
 }
@@ -507,7 +510,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("bias"));
   m.def("int8_linear", &int8_linear, "an int8 layer: specdecode_int8::int8_linear with these arguments");
   m.def("int4_linear", &int4_linear, "an int4 layer: specdecode_int4::int4_linear with these arguments");
-  m.def("w8a8_linear", &w8a8_linear, "a w8a8 layer: specdecode_w8a8::w8a8_linear with these arguments");
+  m.def("a8_linear", &a8_linear, "a w8a8 (weight_bits 8) or w4a8 (4) layer: specdecode_a8's op with these arguments");
   m.def("with_wide", &with_wide, "the layer, from wide_from rows on the layer `wide` (its packed dense copy)");
   m.def("packed_linear", &packed_linear,
         "a PackedLinear: specdecode_bf16::gemm_bf16 on few_blocked up to few_upto rows, else mkldnn::_linear_pointwise");

@@ -191,7 +191,7 @@ FEW_ROW_KINDS = (
                            None if m.bias is None else m.bias.float().contiguous()), _int8_few_rows),
     # int4 layers: against PyTorch's int4 kernel (bf16/fp16) or the dense copy (float32).
     _FewRowKind("int4", gemv_int4_cpu.SOURCE, lambda m, dtype: (
-        isinstance(m, QuantizedLinear) and m.scheme.bits == 4 and not m.is_view
+        isinstance(m, QuantizedLinear) and m.scheme.bits == 4 and m.scheme.weight_only and not m.is_view
         and dtype in (torch.bfloat16, torch.float16, torch.float32)
         and gemv_int4_cpu.fits(m.in_features, m.scheme.group_size, m.qweight.device)),
         _int4_tensors, _int4_few_rows),

@@ -10,7 +10,7 @@ It serves a forward when every piece is one it reproduces: standard attention (n
 dense SwiGLU MLPs, linear layers that are dense (`nn.Linear`, `FusedLinear`) or `QuantizedLinear`s
 on a path it reproduces (int8 / int4 with its few-row kernel attached, and a packed wide copy for
 verification widths, or the dequantised dense copy their forward multiplies float32 activations by;
-w8a8 with its kernel; no exact-mode row tiling), RMSNorm weights
+w8a8 / w4a8 with its kernel; no exact-mode row tiling), RMSNorm weights
 in the activations' dtype; and a batch of contiguous cache rows writing the same columns (decode,
 chain and tree verification at batch 1, equal-length batches), outside exact mode, autograd,
 forward hooks and `torch.compile`. Packed bf16/fp16 layers (`PackedLinear`, on CPUs with AVX-512)
@@ -229,11 +229,12 @@ def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch,
     if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
         if watch.get(layer, "row_tiling") is not None:
             raise NotServed(f"{name}: a row tiling")
-        if not watch.get(layer, "scheme").weight_only:  # w8a8: its kernel at every width
-            arguments = layer.w8a8_arguments(layer.qweight.device) if dtype in (torch.float32, torch.bfloat16) else None
+        scheme = watch.get(layer, "scheme")
+        if not scheme.weight_only:  # w8a8 / w4a8: its kernel at every width
+            arguments = layer.a8_arguments(layer.qweight.device) if dtype in (torch.float32, torch.bfloat16) else None
             if arguments is None:
-                raise NotServed(f"{name}: w8a8 without its kernel")
-            return extension.w8a8_linear(*arguments)
+                raise NotServed(f"{name}: {scheme.name} without its kernel")
+            return extension.a8_linear(scheme.bits, *arguments)
         wide = watch.get(layer, "wide")  # (its dense copy, packed, the width from which it serves)
         if wide is not None and not _is_packed_linear(wide[0]):
             raise NotServed(f"{name}: wide copy {wide[0]}")

@@ -28,10 +28,11 @@ Kernels, chosen per call from the activation dtype (measured here, 2 threads, on
   (QAT int4 drafters next to a float32 target) take the int4 few-row kernel the same way.
 A layer whose input width is no multiple of the int4 group size stays in the model's dtype.
 
-`w8a8` (opt-in) is not weight-only: int8 weights as `int8` stores them, times activations quantised
-to int8 per row and block of 32 inputs at every matmul (llama.cpp's Q8_0 form), so it is another model,
-with its own quality cost (BENCHMARKS.md). Its kernel (kernels/gemm_w8a8_cpu.cpp, AVX-512 VNNI) serves
-every width and is bitwise width-invariant; elsewhere PyTorch ops compute the same numbers, slower.
+`w8a8` / `w4a8` (opt-in) are not weight-only: int8 weights as `int8` stores them (int4 as `int4-g32`
+does), times activations quantised to int8 per row and block of 32 inputs at every matmul (llama.cpp's
+Q8_0 activations), so each is another model, with its own quality cost (BENCHMARKS.md). Their kernels
+(kernels/gemm_a8_cpu.cpp, AVX-512 VNNI) serve every width and are bitwise width-invariant; elsewhere
+PyTorch ops compute the same numbers, slower.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdecode.kernels import gemm_w8a8_cpu, gemv_int4_cpu, gemv_int8_cpu
+from specdecode.kernels import gemm_a8_cpu, gemv_int4_cpu, gemv_int8_cpu
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +60,7 @@ class QuantScheme:
     bits: int  # 8 or 4
     group_size: int | None  # int4: input columns sharing one scale and zero; int8: None (per output channel)
     # None: weight-only (activations in the model's dtype); 8: activations quantised to int8 per row
-    # and block of 32 inputs at every matmul (`w8a8`, kernels/gemm_w8a8_cpu.py), a model of its own.
+    # and block of 32 inputs at every matmul (`w8a8`, `w4a8`: kernels/gemm_a8_cpu.py), a model of its own.
     activation_bits: int | None = None
 
     @property
@@ -75,7 +76,7 @@ class QuantScheme:
     @classmethod
     def parse(cls, spec: "str | QuantScheme | None") -> "QuantScheme | None":
         """None / "none" -> None; "int8"; "int4" (groups of 32); "int4-g32" / "int4-g64" / "int4-g128";
-        "w8a8" (int8 weights per channel, int8 activations per block of 32)."""
+        "w8a8" / "w4a8" (int8 weights per channel / int4 in groups of 32, int8 activations per block of 32)."""
         if spec is None or isinstance(spec, QuantScheme):
             return spec
         from specdecode.errors import ConfigError
@@ -89,6 +90,8 @@ class QuantScheme:
             return cls(8, None)
         if text == "w8a8":
             return cls(8, None, 8)
+        if text == "w4a8":
+            return cls(4, gemm_a8_cpu.BLOCK, 8)
         match = re.fullmatch(r"int4(?:-g(\d+))?", text)
         if match:
             group = int(match.group(1) or DEFAULT_INT4_GROUP)
@@ -96,12 +99,12 @@ class QuantScheme:
                 return cls(4, group)
         raise ConfigError(f"quantization {spec!r} is not supported; accepted: none, int8, int4 "
                           f"(groups of {DEFAULT_INT4_GROUP}), " + ", ".join(f"int4-g{g}" for g in INT4_GROUP_SIZES)
-                          + ", w8a8")
+                          + ", w8a8, w4a8")
 
     def fits(self, in_features: int) -> bool:
         """Whether a layer of this input size can take the scheme (int4: whole groups; w8a8: whole
         activation blocks); one that cannot stays in the model's dtype."""
-        unit = gemm_w8a8_cpu.BLOCK if self.activation_bits is not None else self.group_size
+        unit = gemm_a8_cpu.BLOCK if self.activation_bits is not None else self.group_size
         return unit is None or in_features % unit == 0
 
 
@@ -195,25 +198,33 @@ class QuantizedLinear(nn.Module):
         by quantised activations)."""
         return self.scheme.weight_only and not self._uses_kernel(dtype, device)
 
-    def w8a8_arguments(self, device: torch.device) -> tuple | None:
-        """What `gemm_w8a8_cpu.w8a8_linear` takes after x (the kernel's weight layout, padded fp32
-        scales and bias, out features), built once; None where the kernel does not serve `device`."""
-        if not gemm_w8a8_cpu.available(device):
+    def a8_arguments(self, device: torch.device) -> tuple | None:
+        """What `gemm_a8_cpu.w8a8_linear` / `w4a8_linear` take after x (the kernel's weight layout, its
+        scales (w4a8: and zeros), the padded fp32 bias, out features), built once; None where the
+        kernels do not serve `device`."""
+        if not gemm_a8_cpu.available(device):
             return None
-        key = ("w8a8", device)
+        key = ("a8", device)
         if key not in self._kernel_weights:
-            bias = None if self.bias is None else gemm_w8a8_cpu.pad_outputs(self.bias)
-            self._kernel_weights[key] = (gemm_w8a8_cpu.pack_weight(self.qweight), gemm_w8a8_cpu.pad_outputs(self.scales),
-                                         bias, self.out_features)
+            bias = None if self.bias is None else gemm_a8_cpu.pad_outputs(self.bias)
+            if self.scheme.bits == 8:
+                weights = (gemm_a8_cpu.pack_w8(self.qweight), gemm_a8_cpu.pad_outputs(self.scales))
+            else:
+                weights = gemm_a8_cpu.pack_w4(self.unpacked_int4(), self.scales, self.zeros)
+            self._kernel_weights[key] = (*weights, bias, self.out_features)
         return self._kernel_weights[key]
 
-    def _w8a8_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """Quantised activations times int8 weights: the kernel (float32 / bf16 activations on a CPU with
-        AVX-512 VNNI), else the same numbers from PyTorch ops."""
-        arguments = self.w8a8_arguments(x.device) if x.dtype in (torch.float32, torch.bfloat16) else None
+    def _a8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """Quantised activations times int8 / int4 weights: the kernel (float32 / bf16 activations on a CPU
+        with AVX-512 VNNI), else the same numbers from PyTorch ops."""
+        arguments = self.a8_arguments(x.device) if x.dtype in (torch.float32, torch.bfloat16) else None
+        if self.scheme.bits == 8:
+            if arguments is not None:
+                return gemm_a8_cpu.w8a8_linear(x, *arguments)
+            return gemm_a8_cpu.reference_w8a8(x, self.qweight, self.scales, self.bias)
         if arguments is not None:
-            return gemm_w8a8_cpu.w8a8_linear(x, *arguments)
-        return gemm_w8a8_cpu.reference(x, self.qweight, self.scales, self.bias)
+            return gemm_a8_cpu.w4a8_linear(x, *arguments)
+        return gemm_a8_cpu.reference_w4a8(x, self.unpacked_int4(), self.scales, self.zeros, self.bias)
 
     def _kernel_tensors(self, dtype: torch.dtype) -> tuple:
         key = (dtype, self.qweight.device)
@@ -230,7 +241,7 @@ class QuantizedLinear(nn.Module):
         """Build what forward will use for `dtype` activations now, not on the first call (a
         compiled forward traced the lazy build and recompiled once it existed)."""
         if not self.scheme.weight_only:
-            self.w8a8_arguments(self.qweight.device)
+            self.a8_arguments(self.qweight.device)
         elif self._uses_kernel(dtype, self.qweight.device):
             self._kernel_tensors(dtype)
         else:
@@ -259,7 +270,7 @@ class QuantizedLinear(nn.Module):
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.scheme.weight_only:  # one kernel at every width: no few-row or wide choice
-            return self._w8a8_matmul(x)
+            return self._a8_matmul(x)
         compiling = torch.compiler.is_compiling()
         if self.wide is not None and not compiling and x.numel() >= self.wide[1] * self.in_features:
             return self.wide[0](x)  # a wide forward: the dense copy (bias included)
