@@ -13,6 +13,7 @@ from specdecode.errors import ConfigError
 from specdecode.kernels import gemm_a8_cpu
 from specdecode.models.loader import load_model
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_module
+from specdecode.train.drafter import DrafterTrainConfig
 from specdecode.train.qat import enable_qat
 
 W8A8 = QuantScheme.parse("w8a8")
@@ -135,9 +136,12 @@ def test_modules_quantise_only_layers_of_whole_blocks(spec):
 
 
 @pytest.mark.parametrize("spec", SCHEMES)
-def test_quantisation_aware_training_refuses_them(spec):
+def test_quantisation_aware_and_matched_drafter_training_refuse_them(spec):
     with pytest.raises(ConfigError, match="weight-only"):
         enable_qat(torch.nn.Sequential(torch.nn.Linear(64, 64)), QuantScheme.parse(spec))
+    for key in ("target_quantization", "qat"):
+        with pytest.raises(ValueError, match="weight-only"):
+            DrafterTrainConfig(method="eagle3", **{key: spec})
 
 
 @pytest.mark.parametrize("spec,weight_only", [("w8a8", "int8"), ("w4a8", "int4-g32")])

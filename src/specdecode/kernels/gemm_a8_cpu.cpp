@@ -95,6 +95,18 @@ inline void store_tile(const __m512* total, int64_t line0, int64_t N, const floa
   }
 }
 
+// A block's R x NB int32 sums start at -offset * (the row's code sum over the block): the weights' offset
+// (w8a8: 128, w4a8: 8) taken back out, so they end as sum xq * q for the signed weights.
+template <int R, int NB>
+inline void start_sums(__m512i* sum, const Rows& rows, int64_t b, int32_t offset) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512i s0 = _mm512_set1_epi32(-offset * rows.codesum[r * rows.blocks + b]);
+#pragma GCC unroll 3
+    for (int j = 0; j < NB; ++j) sum[r * NB + j] = s0;
+  }
+}
+
 // w8a8: R rows x NB lines of 16 outputs from line `line0`. `scales` (per output) are padded to whole
 // lines; the output is total * s_w, or one FMA with the bias.
 struct W8 {
@@ -112,12 +124,7 @@ struct W8 {
     for (int i = 0; i < R * NB; ++i) total[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       __m512i sum[R * NB];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m512i s0 = _mm512_set1_epi32(-128 * rows.codesum[r * blocks + b]);
-#pragma GCC unroll 3
-        for (int j = 0; j < NB; ++j) sum[r * NB + j] = s0;
-      }
+      start_sums<R, NB>(sum, rows, b, 128);
       const uint8_t* wb = wl + b * kBlock * kLine;
 #pragma GCC unroll 8
       for (int t = 0; t < kBlock / 4; ++t) {  // 4 inputs a step
@@ -171,12 +178,7 @@ struct W4 {
     for (int i = 0; i < R * NB; ++i) total[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       __m512i sum[R * NB];
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m512i s0 = _mm512_set1_epi32(-8 * rows.codesum[r * blocks + b]);
-#pragma GCC unroll 2
-        for (int j = 0; j < NB; ++j) sum[r * NB + j] = s0;
-      }
+      start_sums<R, NB>(sum, rows, b, 8);
       const uint8_t* wb = wl + b * kBlock * kLine / 2;
 #pragma GCC unroll 4
       for (int t = 0; t < kBlock / 8; ++t) {  // 8 inputs a step: a packed line's low, then high nibbles

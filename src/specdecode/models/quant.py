@@ -1,4 +1,4 @@
-"""Weight-only quantisation: int8 per output channel, int4 in groups along the input; and W8A8.
+"""Weight-only quantisation: int8 per output channel, int4 in groups along the input; and W8A8 / W4A8.
 
 `quantize_module` replaces every linear layer of a frozen inference model (the target, a
 draft model, an EAGLE/MTP/DFlash/DSpark/Medusa drafter) by a `QuantizedLinear`; embeddings
@@ -102,7 +102,7 @@ class QuantScheme:
                           + ", w8a8, w4a8")
 
     def fits(self, in_features: int) -> bool:
-        """Whether a layer of this input size can take the scheme (int4: whole groups; w8a8: whole
+        """Whether a layer of this input size can take the scheme (int4: whole groups; w8a8 / w4a8: whole
         activation blocks); one that cannot stays in the model's dtype."""
         unit = gemm_a8_cpu.BLOCK if self.activation_bits is not None else self.group_size
         return unit is None or in_features % unit == 0
@@ -170,7 +170,7 @@ class QuantizedLinear(nn.Module):
     # ---- the weight it stands for --------------------------------------------------------
 
     def dequantize(self) -> torch.Tensor:
-        """[N, K] float32: the exact weight every kernel multiplies by (w8a8: by the quantised activations)."""
+        """[N, K] float32: the exact weight every kernel multiplies by (w8a8 / w4a8: by the quantised activations)."""
         if self.scheme.bits == 8:
             return self.qweight.float() * self.scales[:, None]
         N, K, g = self.out_features, self.in_features, self.scheme.group_size
@@ -185,7 +185,7 @@ class QuantizedLinear(nn.Module):
     # ---- kernels -------------------------------------------------------------------------
 
     def _uses_kernel(self, dtype: torch.dtype, device: torch.device) -> bool:
-        """Whether PyTorch's weight-only int kernels serve `dtype` activations (w8a8 layers: never)."""
+        """Whether PyTorch's weight-only int kernels serve `dtype` activations (w8a8 / w4a8 layers: never)."""
         if not self.scheme.weight_only:
             return False
         # The CPU int4 kernel packs output rows in blocks of 16; other layers take the dense path.
@@ -194,7 +194,7 @@ class QuantizedLinear(nn.Module):
 
     def uses_dense_copy(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether, without its few-row kernel or a wide copy, the layer multiplies `dtype`
-        activations by its dequantised weight (`F.linear`), not by PyTorch's int kernels (nor, w8a8,
+        activations by its dequantised weight (`F.linear`), not by PyTorch's int kernels (nor, w8a8 / w4a8,
         by quantised activations)."""
         return self.scheme.weight_only and not self._uses_kernel(dtype, device)
 

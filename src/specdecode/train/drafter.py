@@ -104,6 +104,9 @@ class DrafterTrainConfig(TrainRunConfig):
         # Canonical names ("int4" -> "int4-g32"): what the provenance records and serving compares.
         for key in ("target_quantization", "qat"):
             scheme = QuantScheme.parse(getattr(self, key))
+            if scheme is not None and not scheme.weight_only:  # its kernels have no backward, its rounding no gradient
+                raise ValueError(f"--{key.replace('_', '-')} {scheme.name}: drafter training takes weight-only schemes "
+                                 "(int8, int4-g*); a w8a8 / w4a8 target has int8 / int4-g32's weights")
             setattr(self, key, None if scheme is None else scheme.name)
         if self.init_from is not None:
             self.init_from = Path(self.init_from)
