@@ -110,7 +110,8 @@ at::Tensor cached_attention_op(const at::Tensor& q, const at::Tensor& keys, cons
 // layout up to `few_upto` rows), or a dense weight: an nn.Linear, a FusedLinear, a quantised
 // layer's dequantised copy (at::linear).
 struct Linear {
-  int bits = 0;  // 0: dense; 8 or 4: the few-row op of that width; 16: packed bf16/fp16; 88 / 48: W8A8 / W4A8
+  int bits = 0;  // 0: dense; 8 or 4: the few-row op of that width; 16: packed bf16/fp16
+  int a8_bits = 0;  // 8 / 4: a w8a8 / w4a8 layer (its op at every width; `bits` unused)
   torch::Tensor weight;  // dense [N, K]; int8 / int4: the few-row kernel's weight layout; packed: oneDNN's
   OptTensor bias;        // dense, packed: the bias; int8 / int4: the bias in the activations' dtype (fallback paths)
   torch::Tensor few_scales;  // int8: scales; int4: scales and offsets; w8a8: scales; w4a8: scales and zeros
@@ -132,7 +133,7 @@ struct Linear {
       }
       return packed_linear_op(x, weight, bias);
     }
-    if (bits == 88 || bits == 48) return a8_linear_op(bits / 10, x, weight, few_scales, bias, out_features);
+    if (a8_bits != 0) return a8_linear_op(a8_bits, x, weight, few_scales, bias, out_features);
     if (bits == 8)
       return int8_linear_op(x, weight, few_scales, few_bias, out_features, few_upto, dense, qweight, qscales, bias);
     if (bits == 4)
@@ -186,7 +187,7 @@ Linear a8_linear(int64_t weight_bits, torch::Tensor packed, torch::Tensor params
                  int64_t out_features) {
   TORCH_CHECK(weight_bits == 8 || weight_bits == 4, "a8_linear: weight bits 8 or 4, got ", weight_bits);
   Linear l;
-  l.bits = weight_bits == 8 ? 88 : 48;
+  l.a8_bits = static_cast<int>(weight_bits);
   l.weight = std::move(packed);
   l.few_scales = std::move(params);
   l.bias = std::move(bias);  // padded fp32, as the ops take it

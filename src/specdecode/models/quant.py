@@ -202,16 +202,17 @@ class QuantizedLinear(nn.Module):
         """What `gemm_a8_cpu.w8a8_linear` / `w4a8_linear` take after x (the kernel's weight layout, its
         scales (w4a8: and zeros), the padded fp32 bias, out features), built once; None where the
         kernels do not serve `device`."""
+        key = ("a8", device)
+        if key in self._kernel_weights:  # every call after the first: one dict lookup
+            return self._kernel_weights[key]
         if not gemm_a8_cpu.available(device):
             return None
-        key = ("a8", device)
-        if key not in self._kernel_weights:
-            bias = None if self.bias is None else gemm_a8_cpu.pad_outputs(self.bias)
-            if self.scheme.bits == 8:
-                weights = (gemm_a8_cpu.pack_w8(self.qweight), gemm_a8_cpu.pad_outputs(self.scales))
-            else:
-                weights = gemm_a8_cpu.pack_w4(self.unpacked_int4(), self.scales, self.zeros)
-            self._kernel_weights[key] = (*weights, bias, self.out_features)
+        bias = None if self.bias is None else gemm_a8_cpu.pad_outputs(self.bias)
+        if self.scheme.bits == 8:
+            weights = (gemm_a8_cpu.pack_w8(self.qweight), gemm_a8_cpu.pad_outputs(self.scales))
+        else:
+            weights = gemm_a8_cpu.pack_w4(self.unpacked_int4(), self.scales, self.zeros)
+        self._kernel_weights[key] = (*weights, bias, self.out_features)
         return self._kernel_weights[key]
 
     def _a8_matmul(self, x: torch.Tensor) -> torch.Tensor:
