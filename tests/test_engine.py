@@ -31,6 +31,25 @@ def test_more_requests_than_slots_wait_and_finish(native_model):
     assert outs[0].token_ids == outs[4].token_ids
 
 
+def test_generate_detokenises_each_request_once_and_step_every_step(native_model, monkeypatch):
+    """generate() builds a request's output (its whole text) once, when it finishes, not at every
+    step (O(length) a step); step() still returns every advanced request's output (streaming)."""
+    llm = LLM(native_model, dtype="float32", max_num_seqs=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    decoded = []
+    decode = llm.tokenizer.decode
+    monkeypatch.setattr(llm.tokenizer, "decode", lambda ids, *a, **k: decoded.append(len(ids)) or decode(ids, *a, **k))
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
+    assert decoded == [12, 12] and all(o.finished and o.text == decode(o.token_ids) for o in outs)
+    decoded.clear()
+    llm.add_request({"prompt_token_ids": PROMPTS[0]}, params)
+    steps = []
+    while llm.has_unfinished():
+        steps.append([(len(o.token_ids), o.finished) for o in llm.step()])
+    assert steps == [[(n, n == 12)] for n in range(1, 13)] and decoded == list(range(1, 13))
+    assert SamplingBatch.build([params] * 2, [None, None], "cpu").temperature.tolist() == [0.0, 0.0]
+
+
 def test_rollback_is_setting_a_length(native_model):
     model = load_model(native_model, torch.float32)
     runner = Runner(model, num_slots=1, max_len=64, dtype=torch.float32, device=torch.device("cpu"))

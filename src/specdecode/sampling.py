@@ -17,6 +17,7 @@ its noise for the token at absolute position t is a pure function of (seed, t, t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -47,6 +48,15 @@ class RowMasks:
         if not picked:
             return None
         return RowMasks([j for j, _ in picked], self.bitmask[torch.tensor([g for _, g in picked])])
+
+
+@functools.lru_cache(maxsize=64)
+def _greedy_parameters(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An all-greedy batch's temperature (0), top_k (0) and top_p (1) for n rows, made once: three
+    `torch.tensor` calls cost ~13 us a step on a 2-core EPYC, where a decode step takes ~0.7 ms.
+    Shared between batches: nothing writes them in place."""
+    return (torch.zeros(n, dtype=torch.float32, device=device), torch.zeros(n, dtype=torch.int64, device=device),
+            torch.ones(n, dtype=torch.float32, device=device))
 
 
 @dataclasses.dataclass(slots=True)
@@ -82,13 +92,20 @@ class SamplingBatch:
         keyed = [] if noise_keys is None else [i for i, (key, p) in enumerate(zip(noise_keys, params))
                                                if key is not None and not p.greedy]
         keyed_set = set(keyed)
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy:
+            temperature, top_k, top_p = _greedy_parameters(len(params), torch.device(device))
+        else:
+            temperature = torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
+                                       device=device)
+            top_k = torch.tensor([0 if p.greedy else p.top_k for p in params], dtype=torch.int64, device=device)
+            top_p = torch.tensor([1.0 if p.greedy else p.top_p for p in params], dtype=torch.float32, device=device)
         return cls(
-            temperature=torch.tensor([0.0 if p.greedy else p.temperature for p in params], dtype=torch.float32,
-                                     device=device),
-            top_k=torch.tensor([0 if p.greedy else p.top_k for p in params], dtype=torch.int64, device=device),
-            top_p=torch.tensor([1.0 if p.greedy else p.top_p for p in params], dtype=torch.float32, device=device),
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
             generators=list(generators),
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=all_greedy,
             needs_filter=any((p.top_k > 0 or p.top_p < 1.0) and not p.greedy for p in params),
             keyed_rows=keyed,
             noise_keys=None if not keyed else torch.tensor(

@@ -262,6 +262,13 @@ class LLM:
     # ---- the step ---------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One engine step: the outputs of every request it advanced or finished."""
+        return self._step(finished_only=False)
+
+    def _step(self, finished_only: bool) -> list[RequestOutput]:
+        """finished_only: build outputs for the finished requests only (`generate`): a running
+        request's output detokenises its whole text, O(its length) a step (~0.1 ms at 1,000 tokens,
+        ~0.4 ms at 4,000 on a 2-core EPYC, where a decode step takes ~0.7 ms)."""
         batch = self.scheduler.schedule()
         output, failed = self._execute(batch)
         failed += self.scheduler.postprocess(output)
@@ -270,7 +277,7 @@ class LLM:
                 seq.error = f"{type(error).__name__}: {error}"
                 self.scheduler.finish(seq, "error")
         done = {id(seq) for seq in output.seqs}
-        return self._outputs(output.seqs + [seq for seq, _ in failed if id(seq) not in done])
+        return self._outputs(output.seqs + [seq for seq, _ in failed if id(seq) not in done], finished_only)
 
     def _execute(self, batch: ScheduledBatch) -> tuple[StepOutput, list[tuple[Sequence, Exception]]]:
         """The step's StepOutput, and the sequences that made it fail (see `_isolated`)."""
@@ -362,12 +369,13 @@ class LLM:
         return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs),
                           logprobs=_plain_logprobs(seqs, result.logits[:, 0], batch, tokens))
 
-    def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Outputs of the step's requests; finished ones hand their stats over and free drafter state."""
+    def _outputs(self, seqs: list[Sequence], finished_only: bool) -> list[RequestOutput]:
+        """Outputs of the step's requests (only the finished ones'); finished ones hand their stats
+        over and free drafter state."""
         for seq in seqs:
             if seq.is_finished:
                 self._on_finish(seq)
-        return [self.output_of(seq) for seq in seqs]
+        return [self.output_of(seq) for seq in seqs if seq.is_finished or not finished_only]
 
     def _on_finish(self, seq: Sequence) -> None:
         self.stats.merge(seq.stats)
@@ -414,8 +422,8 @@ class LLM:
         wanted = set(ids)
         try:
             while wanted - finished.keys():
-                for out in self.step():
-                    if out.finished and out.request_id in wanted:
+                for out in self._step(finished_only=True):
+                    if out.request_id in wanted:
                         finished[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
