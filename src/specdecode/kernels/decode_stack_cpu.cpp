@@ -325,11 +325,11 @@ class Stack {
     auto k = qkv[1].view({B, T, KVH, D});
     const auto v = qkv[2].view({B, T, KVH, D});
     if (layer.k_norm.has_value()) k = rms_norm_op(k, *layer.k_norm, layer.eps);
-    const auto k_roped = torch::empty({B, T, KVH, D}, x.options());
-    apply_rope_into(k, cos, sin, k_roped);
     if (layer.q_norm.has_value()) q = rms_norm_op(q, *layer.q_norm, layer.eps);
-    // Cache writes and reads as models/layers.py write_columns / read_columns (slices, no gather).
-    cache_k.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T).copy_(k_roped);
+    // Cache writes and reads as models/layers.py write_columns / read_columns (slices, no gather); the
+    // rotated K goes straight into its cache columns (the modules rotate into a new tensor, then copy
+    // it there: the same values).
+    apply_rope_into(k, cos, sin, cache_k.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T));
     cache_v.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T).copy_(v);
     const auto keys = cache_k.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);  // [B, S, KVH, D]
     const auto values = cache_v.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);
@@ -356,10 +356,19 @@ class Stack {
                                                         values.transpose(1, 2), mask);  // [B, H, T, D]
       attn = out.transpose(1, 2).reshape({B, T, -1});
     }
-    const auto x2 = x + layer.o_proj(attn);
+    const auto x2 = residual_add(x, layer.o_proj(attn));
     const auto gate_up = layer.gate_up(rms_norm_op(x2, layer.post_norm, layer.eps))
                              .split_with_sizes({layer.intermediate, layer.intermediate}, -1);
-    return x2 + layer.down(at::silu(gate_up[0]) * gate_up[1]);
+    auto act = at::silu(gate_up[0]);  // silu(gate) * up, the product written over the silu
+    act.mul_(gate_up[1]);
+    return residual_add(x2, layer.down(act));
+  }
+
+  // x + y for a layer's fresh output y: written into y where that is the sum's dtype and shape (a
+  // float sum is the same in either order), saving an allocation; else x + y.
+  static torch::Tensor residual_add(const torch::Tensor& x, torch::Tensor y) {
+    if (y.scalar_type() != x.scalar_type() || !y.sizes().equals(x.sizes())) return x + y;
+    return y.add_(x);
   }
 
   std::vector<Layer> layers_;
