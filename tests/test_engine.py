@@ -10,6 +10,7 @@ from specdecode.engine.runner import Runner
 from specdecode.errors import ConfigError, InvalidRequestError
 from specdecode.models.loader import load_model
 from specdecode.sampling import SamplingBatch, process_logits
+from specdecode.tokenizer import OutputText
 
 
 
@@ -32,21 +33,26 @@ def test_more_requests_than_slots_wait_and_finish(native_model):
 
 
 def test_generate_detokenises_each_request_once_and_step_every_step(native_model, monkeypatch):
-    """generate() builds a request's output (its whole text) once, when it finishes, not at every
-    step (O(length) a step); step() still returns every advanced request's output (streaming)."""
+    """generate() builds a request's output (its text) once, when it finishes, not at every step;
+    step() still returns every advanced request's output (streaming), each step decoding only the
+    new token and a few before it (OutputText), not the whole text (O(length) a step)."""
     llm = LLM(native_model, dtype="float32", max_num_seqs=2)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    decoded = []
-    decode = llm.tokenizer.decode
+    texts, decoded = [], []
+    text_of, decode = OutputText.of, llm.tokenizer.decode
+    monkeypatch.setattr(OutputText, "of", lambda self, tok, ids: texts.append(len(ids)) or text_of(self, tok, ids))
     monkeypatch.setattr(llm.tokenizer, "decode", lambda ids, *a, **k: decoded.append(len(ids)) or decode(ids, *a, **k))
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:2]], params)
-    assert decoded == [12, 12] and all(o.finished and o.text == decode(o.token_ids) for o in outs)
+    assert texts == [12, 12] and all(o.finished and o.text == decode(o.token_ids) for o in outs)
+    texts.clear()
     decoded.clear()
     llm.add_request({"prompt_token_ids": PROMPTS[0]}, params)
     steps = []
     while llm.has_unfinished():
-        steps.append([(len(o.token_ids), o.finished) for o in llm.step()])
-    assert steps == [[(n, n == 12)] for n in range(1, 13)] and decoded == list(range(1, 13))
+        steps.append([(len(o.token_ids), o.finished, o.text == decode(o.token_ids)) for o in llm.step()])
+    assert steps == [[(n, n == 12, True)] for n in range(1, 13)] and texts == list(range(1, 13))
+    # the new token, the context, and the earlier bytes of a character still incomplete (up to 3)
+    assert decoded and max(decoded) <= OutputText.CONTEXT + 4, str(decoded)
     assert SamplingBatch.build([params] * 2, [None, None], "cpu").temperature.tolist() == [0.0, 0.0]
 
 

@@ -56,6 +56,8 @@ class Tokenizer:
         self.mask_token_id = self._tok.token_to_id(mask) if mask else None
         self._template = None  # the compiled chat template
         self._bytes_per_token: int | None | bool = False  # False: not computed yet
+        decoder = self._tok.decoder
+        self.decodes_locally = _decodes_locally(None if decoder is None else json.loads(decoder.__getstate__()))
 
     @property
     def vocab_size(self) -> int:
@@ -175,6 +177,22 @@ def _bytes_per_token(tok) -> int | None:
     return int(longest * shrink + 0.999)
 
 
+# Decoders whose text for a token depends on the tokens before it only as far as OutputText's
+# context reaches: per-token maps (ByteLevel, Replace, Strip, WordPiece's "##" joins and cleanup,
+# CTC's pad removal), what happens at the text's start or end (Metaspace's first space, a Strip
+# after Fuse, BPEDecoder's suffix: a space but after the last token), bytes that make one character
+# across tokens (ByteLevel, ByteFallback), CTC's merged repeats. An unknown one: decoded in full.
+_LOCAL_DECODERS = {"ByteLevel", "Metaspace", "WordPiece", "Replace", "ByteFallback", "Fuse", "Strip", "BPEDecoder", "CTC"}
+
+
+def _decodes_locally(decoder: dict | None) -> bool:
+    if decoder is None:  # tokens joined by spaces
+        return True
+    if decoder.get("type") == "Sequence":
+        return all(_decodes_locally(d) for d in decoder.get("decoders", []))
+    return decoder.get("type") in _LOCAL_DECODERS
+
+
 def _raise_template_error(message: str):
     from specdecode.errors import InvalidRequestError
 
@@ -201,3 +219,60 @@ class IncrementalDetokenizer:
             return ""  # a merge rewrote earlier text; wait for it to settle
         new, self.emitted = text[len(self.emitted):], text
         return new
+
+
+class OutputText:
+    """`tokenizer.decode(ids)` of a growing token list (a request's output), in O(new tokens) a call
+    instead of O(all of them): a 4,000-token text decodes in ~0.4 ms on a 2-core EPYC, about what
+    a decode step costs, and the server and stop strings need the text after every step / token.
+
+    The text of a settled prefix (one whose text ends in a whole character: no later token changes
+    it) is kept; a call decodes only the tokens after it, behind a few tokens of context whose own
+    text is then cut off. The context holds what a decoder does at a text's start (Metaspace's first
+    space, a Strip after Fuse: both apply to the context, whose text is kept non-empty) and the
+    bytes of a character split over tokens. Exact for tokenizers whose decoder works that locally
+    (`Tokenizer.decodes_locally`); for any other every call decodes the whole list. `ids` only grows
+    between calls (the sequence's output).
+    """
+
+    CONTEXT = 4  # tokens of context decoded before the new ones
+
+    __slots__ = ("_settled_tokens", "_settled_text", "_context_start", "_context_text", "_num_tokens", "_text")
+
+    def __init__(self):
+        self._settled_tokens = 0  # ids[:_settled_tokens] decode to _settled_text, and no later token changes it
+        self._settled_text = ""
+        self._context_start = 0  # ids[_context_start:_settled_tokens] decode to _context_text
+        self._context_text = ""
+        self._num_tokens = 0  # ids[:_num_tokens] decode to _text (the last call's answer)
+        self._text = ""
+
+    def of(self, tokenizer: Tokenizer, ids: list[int]) -> str:
+        n = len(ids)
+        if n == self._num_tokens:
+            return self._text
+        if not tokenizer.decodes_locally or n < self._settled_tokens:
+            text = tokenizer.decode(ids)
+        else:
+            window = tokenizer.decode(ids[self._context_start:])
+            if window.startswith(self._context_text):
+                text = self._settled_text + window[len(self._context_text):]
+            else:  # not seen with the decoders above; exact all the same
+                text = tokenizer.decode(ids)
+            if not text.endswith("\ufffd"):  # a whole last character: later tokens leave this text as it is
+                self._settle(tokenizer, ids, text)
+        self._num_tokens, self._text = n, text
+        return text
+
+    def _settle(self, tokenizer: Tokenizer, ids: list[int], text: str) -> None:
+        """ids (whose text is `text`) settled; the context: the last CONTEXT tokens, more where those
+        decode to nothing (special tokens, a stripped first space), up to the whole list."""
+        n, size = len(ids), self.CONTEXT
+        while True:
+            start = max(0, n - size)
+            context = tokenizer.decode(ids[start:])
+            if context or start == 0:
+                break
+            size *= 4
+        self._settled_tokens, self._settled_text = n, text
+        self._context_start, self._context_text = start, context

@@ -119,7 +119,7 @@ class Scheduler:
         the search starts (longest stop - 1) characters before the cleared end, whatever length
         of text the last token added. A trailing U+FFFD (a multi-byte character still
         incomplete) may still change, so it is searched but never counted as cleared."""
-        text = self.tokenizer.decode(seq.output_token_ids)
+        text = seq.output_text.of(self.tokenizer, seq.output_token_ids)
         stops = seq.params.stop
         start = max(0, min(seq.stop_checked_chars, len(text)) - (max(len(s) for s in stops) - 1))
         found = [at for at in (text.find(s, start) for s in stops) if at != -1]

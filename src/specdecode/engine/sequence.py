@@ -12,6 +12,7 @@ import torch
 
 from specdecode.config import SamplingParams
 from specdecode.speculative.stats import SpecStats
+from specdecode.tokenizer import OutputText
 
 if TYPE_CHECKING:
     from specdecode.logprobs import TokenLogprob
@@ -46,6 +47,7 @@ class Sequence:
     # Stop strings: output characters known to hold no whole stop string (they were final,
     # not a trailing U+FFFD of an incomplete UTF-8 sequence, when last searched).
     stop_checked_chars: int = 0
+    output_text: OutputText = dataclasses.field(default_factory=OutputText)  # the output's text, kept up to date
     stats: SpecStats = dataclasses.field(default_factory=SpecStats)
     grammar: "GrammarState | None" = None  # structured outputs: the matcher after the committed tokens
     bad_word_ids: list[list[int]] = dataclasses.field(default_factory=list)  # bad_words as token ids
