@@ -112,7 +112,9 @@ class Speculator:
             num_draft_steps = max(num_tokens)
             if draft.parents is None:  # n_min and D-Cut shape chains; trees come shaped by their drafter
                 confidence = draft.confidence.tolist() if draft.confidence is not None else None
-                draft = draft.truncate(self.depth.verify_lengths(seqs, num_tokens, confidence))
+                limits = self.depth.verify_lengths(seqs, num_tokens, confidence)
+                if any(limit < n for limit, n in zip(limits, num_tokens)):  # else it keeps every draft
+                    draft = draft.truncate(limits)
                 if sampling.constrained:  # a draft ends before the first token its grammar forbids
                     kept, grammar = constrain_chain(sampling.grammars, draft.token_ids.tolist(),
                                                     draft.num_tokens.tolist(), self.k + 1, self.vocab_size)
@@ -131,8 +133,7 @@ class Speculator:
                                                                           sampling)
         else:
             result, verified, logits, rows = self._verify_chain(seqs, draft, num_draft, sampling, grammar)
-        num_accepted = verified.num_accepted.tolist()
-        tokens = verified.token_ids.tolist()
+        tokens, num_accepted = verified.host()
         logprobs = self._committed_logprobs(seqs, sampling, logits, rows, tokens, num_accepted, verified.path)
         t2 = time.perf_counter()
 

@@ -43,7 +43,7 @@ class TargetFeatureBuffer(ProposerBase[FeatureState]):
 
     def on_commit(self, seqs, draft, verified, result) -> None:
         raw = self.target_features(result)
-        accepted = verified.num_accepted.tolist()
+        accepted = verified.host()[1]
         path = verified.path.tolist() if verified.path is not None else None
         new = []
         for b in range(len(seqs)):

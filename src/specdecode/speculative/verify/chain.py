@@ -44,6 +44,14 @@ class Verified:
     token_ids: torch.Tensor  # [B, k + 1] committed tokens per row, padded with -1
     num_accepted: torch.Tensor  # [B] accepted draft tokens; row b commits num_accepted[b] + 1 tokens
     path: torch.Tensor | None = None  # [B, depth] trees: accepted node indices along the path, -1 padded
+    _host: tuple[list[list[int]], list[int]] | None = None  # (token_ids, num_accepted) as lists, read once
+
+    def host(self) -> tuple[list[list[int]], list[int]]:
+        """(token_ids, num_accepted) as host lists: the speculator and every proposer's commit read
+        them, so they are read back once (the greedy rule makes them on the host to begin with)."""
+        if self._host is None:
+            self._host = (self.token_ids.tolist(), self.num_accepted.tolist())
+        return self._host
 
 
 def uniform_draws(rows: int, cols: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
@@ -76,6 +84,8 @@ def verify(
     V = target_logits.shape[-1]
     if rows is not None and rows.adjusts:
         target_logits = adjust_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
+    if sampling.all_deterministic and not sampling.keyed_rows:
+        return _greedy(draft_token_ids.tolist(), num_draft.tolist(), target_logits.argmax(dim=-1).tolist(), device)
     positions = torch.arange(k, device=device)[None, :]  # [1, k]
     in_draft = positions < num_draft[:, None]  # [B, k]
     safe_drafts = draft_token_ids.clamp(min=0)
@@ -132,6 +142,26 @@ def verify(
         deterministic = deterministic.index_fill(0, keyed, True)
     num_accepted = torch.where(deterministic, exact_accepted, sampled_accepted)
     return _assemble(draft_token_ids, num_accepted, torch.where(deterministic, exact_final, final_token))
+
+
+def _greedy(drafts: list[list[int]], num_draft: list[int], choice: list[list[int]], device) -> Verified:
+    """The deterministic rule on the host, from the target's choices [B][k + 1]: a row commits its
+    choices up to and including the first one its draft does not match (or the one after its last
+    draft). The tensor ops this replaces cost ~10 us each after a forward (their code and data
+    evicted by the weights); the choices are read back once, and the comparisons are a few
+    integer compares a row."""
+    k = len(drafts[0]) if drafts else 0
+    tokens, accepted = [], []
+    for draft, limit, row in zip(drafts, num_draft, choice):
+        n = 0
+        while n < limit and draft[n] == row[n]:
+            n += 1
+        accepted.append(n)
+        tokens.append(row[: n + 1] + [-1] * (k - n))
+    verified = Verified(torch.tensor(tokens, dtype=torch.long, device=device).view(len(drafts), k + 1),
+                        torch.tensor(accepted, dtype=torch.long, device=device))
+    verified._host = (tokens, accepted)
+    return verified
 
 
 def _assemble(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> Verified:

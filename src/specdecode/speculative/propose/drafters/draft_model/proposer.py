@@ -107,7 +107,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         return seq.num_tokens - (state.num_cached if state is not None else 0)
 
     def on_commit(self, seqs, draft, verified, result) -> None:
-        for seq, a in zip(seqs, verified.num_accepted.tolist()):
+        for seq, a in zip(seqs, verified.host()[1]):
             state = self._states.get(seq.request_id)
             if state is not None and state.proposal_base is not None:
                 # Cached now: everything up to the last committed token, plus the accepted drafts it was fed.

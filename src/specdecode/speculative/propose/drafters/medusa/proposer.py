@@ -64,7 +64,7 @@ class MedusaProposer(ProposerBase[MedusaState]):
             self._states[seq.request_id] = MedusaState(result.hidden[b, len(seq.prompt_token_ids) - 1])
 
     def on_commit(self, seqs, draft, verified, result) -> None:
-        accepted = verified.num_accepted.tolist()
+        accepted = verified.host()[1]
         path = verified.path.tolist() if verified.path is not None else None
         for b, seq in enumerate(seqs):
             row = accepted[b] if path is None else (0 if accepted[b] == 0 else 1 + path[b][accepted[b] - 1])
