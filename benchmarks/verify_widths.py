@@ -6,7 +6,7 @@ The default model at batch 1 over a 128-token context (`cost_model.profile`: the
 calls per width), engines measured in turn, `--rounds` times, keeping each width's fastest:
 a slow phase of the machine then lands on every engine alike. Engines: packed bf16, and int8 /
 int4-g32 with `verify_kernels="quantized"` (the int kernels at every width) and `"auto"` (a dense
-copy from the measured width on, models/wide_kernels.py).
+copy from the measured width on, models/wide_kernels.py), w8a8 and w4a8 (`--engines` picks some).
 """
 
 from __future__ import annotations
@@ -22,17 +22,23 @@ from specdecode.speculative.policy.cost_model import profile
 
 WIDTHS = [1, 2, 4, 8, 12, 16, 32]
 ENGINES = [("bf16 packed", None, "auto"), ("int8, int kernels", "int8", "quantized"), ("int8, auto", "int8", "auto"),
-           ("int4-g32, int kernels", "int4", "quantized"), ("int4-g32, auto", "int4", "auto")]
+           ("int4-g32, int kernels", "int4", "quantized"), ("int4-g32, auto", "int4", "auto"), ("w8a8", "w8a8", "auto"),
+           ("w4a8", "w4a8", "auto")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--compile", action="store_true")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--engines", default=None,
+                        help=f"comma-separated names of the engines to measure (default: all of {[e[0] for e in ENGINES]})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    chosen = [e for e in ENGINES if args.engines is None or e[0] in args.engines.split(",")]
+    if not chosen:
+        parser.error(f"--engines: none of {args.engines!r} is one of {[e[0] for e in ENGINES]}")
     engines = {name: LLM(quantization=q, verify_kernels=v, compile=args.compile, max_num_seqs=1)
-               for name, q, v in ENGINES}
+               for name, q, v in chosen}
     wide = {name: sorted({f"{m.in_features}x{m.out_features}: {m.wide[1]}" for m in llm.model.modules()
                           if getattr(m, "wide", None) is not None}) for name, llm in engines.items()}
     best: dict[str, dict[int, float]] = {name: {} for name in engines}

@@ -46,11 +46,13 @@ def test_the_op_computes_attention(dtype, D, B, KVH, group, T, S):
         assert not torch.allclose(other.double(), _reference(q, keys, values, mask, group), atol=1e-2)  # can fail
 
 
-def test_a_tokens_rows_do_not_depend_on_the_other_tokens():
-    q, keys, values, mask = _inputs(1, 4, 2, 6, 300, 64, torch.float32)  # 12 rows per KV head: all served here
-    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 6, 64)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_a_tokens_rows_do_not_depend_on_the_other_tokens(dtype, D):
+    q, keys, values, mask = _inputs(1, 4, 2, 6, 300, D, dtype)  # 12 rows per KV head: all served here
+    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 6, D)
     for t in range(6):  # token t alone, with its mask row and the same keys
-        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 6, 64)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
+        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 6, D)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
         assert torch.equal(alone, out[:, :, :, t]), t
 
 

@@ -1,18 +1,22 @@
 // Attention over a KV cache for the few query rows of a decode, drafting or verification step (CPU,
-// AVX2 + FMA), a drop-in for the scaled_dot_product_attention call of models/llama.py's cached path
-// (and of the C++ layer stack, which calls this same op, so both stay bit-identical).
+// AVX2 + FMA; AVX-512 where built for it), a drop-in for the scaled_dot_product_attention call of
+// models/llama.py's cached path (and of the C++ layer stack, which calls this same op, so both stay
+// bit-identical).
 //
 // Why: PyTorch's CPU flash kernel costs 35-47 us a layer for one token over ~250 keys and 60-90 us for
 // five (default model, 8 query / 4 KV heads of 64), mostly fixed cost: the work is ~0.26 M
 // multiply-adds per token and layer. Here: 14-18 us and 53-61 us. Here one task per (sequence, KV head), split over threads, runs
-// each of its query rows (group x T: the heads sharing the KV head, row g * T + t for token t) alone:
+// each of its query rows (group x T: the heads sharing the KV head, row g * T + t for token t) alone
+// through the scores and the softmax, then the rows together through the values:
 //   scores: 8 keys at a time, one 8-lane FMA chain per key over the head dimension in order, the 8
 //           chains' lanes summed by one fixed tree into a vector of 8 scores, times 1/sqrt(D); keys
-//           the mask hides (and past S) are -inf;
+//           the mask hides (and past S) are -inf. bf16 on a CPU with AVX-512 BF16: 16 keys at a
+//           time, a 16-lane vdpbf16ps chain per key, the lanes summed by one fixed pairwise tree;
 //   softmax: the row max (exact), exp by a fixed polynomial (Cephes expf), the sum in 8 lanes by key
 //           column (hidden keys add exact zeros), then a fixed tree;
 //   values: a sequential sum over the visible keys in column order, vectorised over the head
-//           dimension, divided by the sum at the end.
+//           dimension, divided by the sum at the end; with AVX-512, several rows at a time share
+//           each value's load and widening (each row's sums unchanged).
 // A row's result therefore depends on its own query, its keys and its mask row only: not on the
 // other rows, the batch or the number of tokens in the step. More than kMaxRows rows (prefill) or a
 // head size this code does not cover take PyTorch's kernel, as do other dtypes and devices.
@@ -78,11 +82,13 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(hidden, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
 }
 
-// One query row against S keys of one KV head. DV = D / 8 vectors per head. k(s), v(s): key and value
-// s (stride ks / vs elements); visible: the row's mask (nullptr: every key); scores: [S rounded up to 8].
+// Phase 1 for one query row against S keys of one KV head: scores[s] = q . k(s) / sqrt(D), -inf where
+// the key is hidden (mask false, or past S); returns the row's maximum. DV = D / 8 vectors per head;
+// k(s): key s (stride ks elements); visible: the row's mask (nullptr: every key); scores: [S rounded
+// up to 16].
 template <int DV, typename scalar_t>
-void attend_row(const scalar_t* q, const scalar_t* k, int64_t ks, const scalar_t* v, int64_t vs, const bool* visible,
-                int64_t S, float scale, float* scores, scalar_t* out) {
+float row_scores(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
+                 float* scores) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
   __m256 qv[DV];
   for (int c = 0; c < DV; ++c) qv[c] = load8(q + c * 8);
@@ -111,23 +117,86 @@ void attend_row(const scalar_t* q, const scalar_t* k, int64_t ks, const scalar_t
     _mm256_storeu_ps(scores + s0, kept);
     vmax = _mm256_max_ps(vmax, kept);
   }
-  const float m = max8(vmax);
-  if (m == neg_inf) {  // a row that sees no key (never in a decode step): zeros, not NaNs
-    for (int64_t d = 0; d < DV * 8; ++d) out[d] = static_cast<scalar_t>(0.0f);
-    return;
+  return max8(vmax);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// [a0+a1, a2+a3, .., a14+a15, b0+b1, .., b14+b15]
+inline __m512 pair_sums(__m512 a, __m512 b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+// bf16 rows on CPUs with AVX-512 BF16: 16 keys at a time, each key's dot product in 16 lanes by
+// vdpbf16ps (32 bf16 products a step, in fp32, no conversions), the 16 keys' lanes summed by one
+// fixed tree of pairwise sums. A different rounding than the 8-lane fp32 chain above, the same for
+// every row count.
+template <int DV>
+float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t ks, const bool* visible, int64_t S,
+                 float scale, float* scores) {
+  constexpr int Z = DV / 4;  // 32-value chunks of the head
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512bh qz[Z];
+  for (int c = 0; c < Z; ++c) qz[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+  __m512 vmax = _mm512_set1_ps(neg_inf);
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    __m512 acc[16];
+    const bool tail = s0 + 16 > S;
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const at::BFloat16* key = k + (tail ? std::min<int64_t>(s0 + j, S - 1) : s0 + j) * ks;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qz[0], (__m512bh)_mm512_loadu_si512(key));
+#pragma GCC unroll 8
+      for (int c = 1; c < Z; ++c) a = _mm512_dpbf16_ps(a, qz[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
+      acc[j] = a;
+    }
+    __m512 p[8], r[4], t[2];
+    for (int i = 0; i < 8; ++i) p[i] = pair_sums(acc[2 * i], acc[2 * i + 1]);  // 8 partial sums a key
+    for (int i = 0; i < 4; ++i) r[i] = pair_sums(p[2 * i], p[2 * i + 1]);      // 4
+    for (int i = 0; i < 2; ++i) t[i] = pair_sums(r[2 * i], r[2 * i + 1]);      // 2
+    const __m512 sc = _mm512_mul_ps(pair_sums(t[0], t[1]), _mm512_set1_ps(scale));  // lane j: key s0 + j
+    __mmask16 seen = 0xFFFF;
+    if (visible != nullptr || tail)
+      for (int j = 0; j < 16; ++j)
+        if (!(s0 + j < S && (visible == nullptr || visible[s0 + j]))) seen &= static_cast<__mmask16>(~(1u << j));
+    const __m512 kept = _mm512_mask_blend_ps(seen, _mm512_set1_ps(neg_inf), sc);
+    _mm512_storeu_ps(scores + s0, kept);
+    vmax = _mm512_max_ps(vmax, kept);
   }
+  return _mm512_reduce_max_ps(vmax);  // a maximum: exact in any order
+}
+#endif
+
+// Phases 1 and 2: scores[0, S) become exp(score - max) (exact zeros where hidden); returns their
+// sum, 0 where the row sees no key.
+template <int DV, typename scalar_t>
+float row_probabilities(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
+                        float* scores) {
+  const float m = row_scores<DV>(q, k, ks, visible, S, scale, scores);
+  if (m == -std::numeric_limits<float>::infinity()) return 0.0f;  // sees no key (never in a decode step)
   __m256 lanes = _mm256_setzero_ps();
   for (int64_t s0 = 0; s0 < S; s0 += 8) {
     const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + s0), _mm256_set1_ps(m)));
     _mm256_storeu_ps(scores + s0, p);
     lanes = _mm256_add_ps(lanes, p);
   }
-  const float sum = fixed_sum8(lanes);
+  return fixed_sum8(lanes);
+}
+
+// Phase 3 for one row: out = sum over visible keys s, in order, of p(s) v(s) (each dimension's
+// FMA chain), divided by `sum`; zeros where the row sees no key.
+template <int DV, typename scalar_t>
+void row_values(const float* probs, float sum, const scalar_t* v, int64_t vs, int64_t S, scalar_t* out) {
+  if (sum == 0.0f) {
+    for (int64_t d = 0; d < DV * 8; ++d) out[d] = static_cast<scalar_t>(0.0f);
+    return;
+  }
   __m256 acc[DV];
   for (int c = 0; c < DV; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
-    if (scores[s] == 0.0f) continue;  // hidden (or underflowed) keys add nothing
-    const __m256 p = _mm256_set1_ps(scores[s]);
+    if (probs[s] == 0.0f) continue;  // hidden (or underflowed) keys add nothing
+    const __m256 p = _mm256_set1_ps(probs[s]);
     const scalar_t* value = v + s * vs;
     for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + c * 8), acc[c]);
   }
@@ -136,6 +205,44 @@ void attend_row(const scalar_t* q, const scalar_t* k, int64_t ks, const scalar_t
   for (int c = 0; c < DV; ++c) _mm256_store_ps(row + c * 8, _mm256_div_ps(acc[c], denom));
   for (int64_t d = 0; d < DV * 8; ++d) out[d] = static_cast<scalar_t>(row[d]);
 }
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Phase 3 for RC rows of one KV head at once: each value is loaded and widened once for all of them;
+// every row's arithmetic is row_values' (the same FMA chain per dimension, the same keys skipped),
+// so its result is too, bit for bit.
+template <int DV, int RC, typename scalar_t>
+void rows_values(const float* const* probs, const float* sums, const scalar_t* v, int64_t vs, int64_t S,
+                 scalar_t* const* outs) {
+  constexpr int Z = DV / 2;  // 16-value chunks of the head
+  __m512 acc[RC][Z];
+  for (int r = 0; r < RC; ++r)
+    for (int c = 0; c < Z; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const scalar_t* value = v + s * vs;
+    __m512 vz[Z];
+    for (int c = 0; c < Z; ++c) vz[c] = load16(value + c * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < RC; ++r) {
+      const float w = probs[r][s];
+      if (w == 0.0f) continue;
+      const __m512 p = _mm512_set1_ps(w);
+      for (int c = 0; c < Z; ++c) acc[r][c] = _mm512_fmadd_ps(p, vz[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RC; ++r) {
+    alignas(64) float row[DV * 8];
+    const __m512 denom = _mm512_set1_ps(sums[r]);
+    for (int c = 0; c < Z; ++c) _mm512_store_ps(row + c * 16, _mm512_div_ps(acc[r][c], denom));
+    for (int64_t d = 0; d < DV * 8; ++d) outs[r][d] = static_cast<scalar_t>(sums[r] == 0.0f ? 0.0f : row[d]);
+  }
+}
+#endif
 
 template <int DV, typename scalar_t>
 void attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::Tensor& values, const bool* mask,
@@ -146,17 +253,36 @@ void attention(const torch::Tensor& q, const torch::Tensor& keys, const torch::T
   const scalar_t* kp = keys.data_ptr<scalar_t>();
   const scalar_t* vp = values.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
+  const int64_t padded = (S + 15) / 16 * 16;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores((S + 7) / 8 * 8);
+    std::vector<float> probs(R * padded), sums(R);  // every row's probabilities, then their values
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, h = task % KVH;
       const scalar_t* k = kp + b * keys.stride(0) + h * keys.stride(2);
       const scalar_t* v = vp + b * values.stride(0) + h * values.stride(2);
       for (int64_t r = 0; r < R; ++r) {
         const bool* visible = mask == nullptr ? nullptr : mask + (b * T + r % T) * S;
-        attend_row<DV>(qp + (task * R + r) * DV * 8, k, keys.stride(1), v, values.stride(1), visible, S, scale,
-                       scores.data(), op + (task * R + r) * DV * 8);
+        sums[r] = row_probabilities<DV>(qp + (task * R + r) * DV * 8, k, keys.stride(1), visible, S, scale,
+                                        probs.data() + r * padded);
       }
+      int64_t r = 0;
+#if defined(__AVX512F__)
+      // Rows in groups whose accumulators fit the 32 vector registers with the values: 16 a group.
+      constexpr int RC = DV >= 32 ? 1 : 16 / (DV / 2);
+      if constexpr (DV % 2 == 0) {
+        for (; r + RC <= R; r += RC) {
+          const float* p[RC];
+          scalar_t* o[RC];
+          for (int i = 0; i < RC; ++i) {
+            p[i] = probs.data() + (r + i) * padded;
+            o[i] = op + (task * R + r + i) * DV * 8;
+          }
+          rows_values<DV, RC>(p, sums.data() + r, v, values.stride(1), S, o);
+        }
+      }
+#endif
+      for (; r < R; ++r)
+        row_values<DV>(probs.data() + r * padded, sums[r], v, values.stride(1), S, op + (task * R + r) * DV * 8);
     }
   });
 }
