@@ -75,6 +75,33 @@ def trained_drafters(native_model, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
+@pytest.fixture(scope="session")
+def lean_model(tmp_path_factory) -> Path:
+    """A native model with heads of 32 (the test models' 16 are below what the cached-attention kernel
+    takes): its w8a8 / w4a8 forwards take the C++ stack's lean path."""
+    return make_native_model(tmp_path_factory.mktemp("lean") / "m", hidden=128)
+
+
+@pytest.fixture(scope="session")
+def lean_drafters(lean_model, tmp_path_factory) -> dict[str, Path]:
+    """Untrained EAGLE-3 and MTP drafters for lean_model, and a draft model with its heads: equality
+    tests need drafts, not good ones."""
+    from specdecode.models.loader import load_model
+    from specdecode.train.drafter import RECIPES, DrafterTrainConfig
+
+    root = tmp_path_factory.mktemp("lean_drafters")
+    target = load_model(lean_model, torch.float32)
+    tokens = torch.randint(3, 320, (2000,), generator=torch.Generator().manual_seed(0)).numpy()
+    out = {"draft_model": make_native_model(root / "draft_model", seed=7, layers=1, hidden=128)}
+    for method, overrides in {"eagle3": dict(draft_vocab_size=200), "mtp": {}}.items():
+        cfg = DrafterTrainConfig(method=method, target=lean_model, out_dir=root / method, work_dir=root / "work",
+                                 **overrides)
+        torch.manual_seed(0)
+        RECIPES[method].export(RECIPES[method].build(target, cfg, tokens), target, cfg, {"steps": 0})
+        out[method] = root / method
+    return out
+
+
 @pytest.fixture()
 def work_dir(tmp_path):
     """A drafter-training work dir with a cached token file, so tests do not tokenize the standard library."""

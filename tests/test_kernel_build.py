@@ -30,3 +30,17 @@ def test_an_optional_kernel_is_none_when_switched_off_unsupported_or_broken(monk
     with caplog.at_level("WARNING"):
         assert build.optional_extension("test_kernel", source, "SPECDECODE_TEST_KERNEL") is None  # the build fails
     assert "test_kernel kernel failed to build" in caplog.text
+
+
+def test_a_kernel_build_is_named_by_its_headers_too(tmp_path):
+    # A source's build digest covers the headers it includes (and theirs): a changed header rebuilds it.
+    (tmp_path / "k.cpp").write_text('#include <vector>\n#include "a.h"\nint f() { return g(); }\n')
+    (tmp_path / "a.h").write_text('#pragma once\n#include "b.h"\ninline int g() { return h(); }\n')
+    (tmp_path / "b.h").write_text("#pragma once\ninline int h() { return 1; }\n")
+    assert build.local_includes(tmp_path / "k.cpp") == [tmp_path / "a.h", tmp_path / "b.h"]
+    before = build.source_digest(tmp_path / "k.cpp")
+    (tmp_path / "b.h").write_text("#pragma once\ninline int h() { return 2; }\n")
+    build.source_digest.cache_clear()
+    assert build.source_digest(tmp_path / "k.cpp") != before
+    shipped = Path(build.__file__).with_name("decode_stack_cpu.cpp")
+    assert {p.name for p in build.local_includes(shipped)} == {"rms_norm.h", "a8_gemm.h", "cached_attention.h"}

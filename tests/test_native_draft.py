@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.kernels import decode_stack_cpu, gemv_int8_cpu
+from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_int8_cpu
 from specdecode.models.native_stack import NativeStack
 
 pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ step needs a C++ compiler")
@@ -80,6 +80,25 @@ def test_native_steps_draft_what_the_python_steps_draft(native_model, native_dra
     assert native_steps  # eagle3's reduced draft vocabulary (d2t) included
     count = len(native_steps)
     llm_python = _python_steps(LLM(native_model, dtype=dtype, quantization=quantization, speculative_config=spec))
+    _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
+    assert len(native_steps) == count
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "draft_model"])
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w8a8")])
+def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters, native_steps, method, dtype,
+                                                      quantization):
+    # The drafter's layers on the C++ stack's lean path (EAGLE-3: attention reading its own input).
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the int8-activation kernels need AVX-512 VNNI")
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(lean_drafters[method])}
+    llm = LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = _drafting(llm, [PROMPT], params)
+    layers = llm.speculator.proposer._native[1]._layers()
+    assert native_steps and layers.lean_forwards() >= len(native_steps) - 1  # the first feeds the whole prompt
+    count = len(native_steps)
+    llm_python = _python_steps(LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec))
     _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
     assert len(native_steps) == count
 

@@ -110,6 +110,19 @@ def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, 
     _compare(LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2), stack_calls, monkeypatch)
 
 
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w4a8"), ("bfloat16", "w8a8")])
+def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, stack_calls, monkeypatch, dtype, quantization):
+    # w8a8 / w4a8 layers and heads the attention kernel takes: the kernels called directly, plain loops between.
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the int8-activation kernels need AVX-512 VNNI")
+    llm = LLM(lean_model, dtype=dtype, quantization=quantization, max_num_seqs=2)
+    stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
+    _compare(llm, stack_calls, monkeypatch)
+    # the decode step, the 5-token chain and the 3-token tree: one sequence, at most 12 query rows per
+    # KV head (the 9-token prefill has 18, two sequences are a batch: the general path)
+    assert stack.lean_forwards() == 3
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_quantised_layers_wide_copies_are_reproduced(native_model, forced_kernels, stack_calls, monkeypatch,
                                                      quantization):

@@ -8,6 +8,7 @@ import functools
 import hashlib
 import os
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -46,11 +47,25 @@ def _compile_flags() -> list[str]:
     return flags
 
 
+def local_includes(source: Path) -> list[Path]:
+    """The headers beside `source` that it includes (`#include "name.h"`), and theirs, each once."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        for name in re.findall(r'^#include "([^"]+)"', pending.pop().read_text(), flags=re.MULTILINE):
+            header = source.with_name(name)
+            if header not in found:
+                found.append(header)
+                pending.append(header)
+    return found
+
+
 @functools.cache
 def source_digest(source: Path) -> str:
-    """A kernel build's identity: its source and compiler flags (a changed kernel builds anew, and
-    what was measured of the old one is measured again)."""
-    return hashlib.sha256(source.read_bytes() + " ".join(_compile_flags()).encode()).hexdigest()[:10]
+    """A kernel build's identity: its source, the headers it includes and the compiler flags (a changed
+    kernel builds anew, and what was measured of the old one is measured again)."""
+    text = b"".join(path.read_bytes() for path in [source, *local_includes(source)])
+    return hashlib.sha256(text + " ".join(_compile_flags()).encode()).hexdigest()[:10]
 
 
 @functools.cache

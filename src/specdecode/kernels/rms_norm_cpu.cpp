@@ -5,49 +5,12 @@
 // rsqrt / mul, the cast, the scale); for the one 512-wide row of a decode step they took 29 us in
 // bf16 and 14 us in float32 on an AVX2-only AMD EPYC (measured), 13 times per forward of the
 // default model.
-//
-// Each row's sum of squares runs over 16 partial sums in a fixed order and a fixed tree, whatever
-// the number of rows or threads, so a row's output does not depend on its neighbours.
+// The rows' loop is rms_norm.h's (decode_stack_cpu.cpp calls it too).
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
-#include <cmath>
 
-namespace {
+#include "rms_norm.h"
 
-constexpr int kLanes = 16;
-
-template <typename scalar_t>
-void rms_norm_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, int64_t D, float eps) {
-  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const scalar_t* xr = x + r * D;
-      scalar_t* yr = y + r * D;
-      float acc[kLanes] = {0};
-      int64_t i = 0;
-      for (; i + kLanes <= D; i += kLanes) {
-#pragma GCC unroll 16
-        for (int j = 0; j < kLanes; ++j) {
-          const float v = static_cast<float>(xr[i + j]);
-          acc[j] += v * v;
-        }
-      }
-      for (int j = 0; i < D; ++i, ++j) {
-        const float v = static_cast<float>(xr[i]);
-        acc[j] += v * v;
-      }
-      for (int width = kLanes / 2; width > 0; width /= 2) {
-        for (int j = 0; j < width; ++j) acc[j] += acc[j + width];
-      }
-      const float rstd = 1.0f / std::sqrt(acc[0] / static_cast<float>(D) + eps);
-      for (int64_t k = 0; k < D; ++k) {
-        const scalar_t normed = static_cast<scalar_t>(static_cast<float>(xr[k]) * rstd);  // the cast back
-        yr[k] = static_cast<scalar_t>(static_cast<float>(w[k]) * static_cast<float>(normed));  // the scale
-      }
-    }
-  });
-}
-
-}  // namespace
+using rms_kernels::rms_norm_rows;
 
 // x [..., D] (any strides; copied when its rows are not contiguous), weight [D] in x's dtype -> y [..., D]
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {

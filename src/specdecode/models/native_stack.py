@@ -137,6 +137,10 @@ class NativeStack:
         self.bind(cache_k, cache_v)
         return chain.forward(self._stack, *args)
 
+    def lean_forwards(self) -> int:
+        """How many forwards took the C++ stack's lean path (decode_stack_cpu.cpp `Stack::lean_forward`)."""
+        return self._stack.lean_forwards()
+
     def serves(self, dtype: torch.dtype) -> bool:
         """Whether a forward on activations of `dtype` is one the stack runs now (`batch_served` checked first)."""
         return dtype == self.dtype and not torch.is_grad_enabled() and not any(self._hooks)

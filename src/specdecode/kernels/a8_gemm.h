@@ -1,0 +1,248 @@
+// The int8-activation matmul kernels (gemm_a8_cpu.cpp explains the formats and why): `gemm<W8>` and
+// `gemm<W4>` on raw pointers. gemm_a8_cpu.cpp registers them as ops; decode_stack_cpu.cpp's lean path
+// calls them directly, so both compute the same numbers (include this file only from sources built
+// with the same flags).
+#pragma once
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace a8_kernels {
+namespace {
+
+constexpr int64_t kBlock = 32;     // inputs sharing one activation scale
+constexpr int64_t kLine = 16;      // outputs per 64-byte weight line (x 4 inputs)
+constexpr int kMaxTileRows = 4;    // rows per tile (a wider step takes several)
+// Lines per tile of a one-row call: one weight stream per tile, many tiles (measured on the default
+// model's matmuls at one row: w4a8 0.77 -> 0.55 ms against the multi-row tiles, w8a8 0.98 -> 0.82;
+// four lines a tile: 1.08 ms, w4a8).
+constexpr int kOneRowTileLines = 1;
+
+inline __m512 load_fp32(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_fp32(const at::BFloat16* p) {  // 16 bf16 values as fp32 (exact: a 16-bit shift)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// One row of x [K] -> its codes xq [K] (int8), block scales sx [K / 32] and the blocks' code sums
+// codesum [K / 32]. Division (not a reciprocal) and round-to-nearest-
+// even, as the reference's `x / s_x` and `torch.round`; an all-zero block gets scale 1 (codes 0).
+template <typename in_t>
+inline void quantize_row(const in_t* x, int64_t K, int8_t* xq, float* sx, int32_t* codesum) {
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const __m512 lo = load_fp32(x + b * kBlock), hi = load_fp32(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
+    float s = amax / 127.0f;
+    if (s == 0.0f) s = 1.0f;
+    const __m512 sv = _mm512_set1_ps(s);
+    const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
+    const __m512i qlo = _mm512_max_epi32(neg, _mm512_min_epi32(lim, _mm512_cvt_roundps_epi32(
+        _mm512_div_ps(lo, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    const __m512i qhi = _mm512_max_epi32(neg, _mm512_min_epi32(lim, _mm512_cvt_roundps_epi32(
+        _mm512_div_ps(hi, sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(xq + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+    sx[b] = s;
+    codesum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+  }
+}
+
+// The quantised rows of one call: R rows from `m0` are at xq + m0 * K, sx + m0 * blocks, codesum + m0 * blocks.
+struct Rows {
+  const int8_t* xq;
+  const float* sx;
+  const int32_t* codesum;
+  int64_t K, blocks;
+};
+
+// The end of a tile: lines j of `total` (R x NB, row-major) plus the bias as outputs of y (row stride N).
+template <int R, int NB, typename out_t>
+inline void store_tile(const __m512* total, int64_t line0, int64_t N, const float* bias, out_t* y) {
+  alignas(64) float out[16];
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n0 = (line0 + j) * kLine, outputs = std::min<int64_t>(kLine, N - n0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 v = bias != nullptr ? _mm512_add_ps(total[r * NB + j], _mm512_loadu_ps(bias + n0)) : total[r * NB + j];
+      _mm512_store_ps(out, v);
+      for (int64_t i = 0; i < outputs; ++i) y[r * N + n0 + i] = static_cast<out_t>(out[i]);
+    }
+  }
+}
+
+// A block's R x NB int32 sums start at -offset * (the row's code sum over the block): the weights' offset
+// (w8a8: 128, w4a8: 8) taken back out, so they end as sum xq * q for the signed weights.
+template <int R, int NB>
+inline void start_sums(__m512i* sum, const Rows& rows, int64_t b, int32_t offset) {
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    const __m512i s0 = _mm512_set1_epi32(-offset * rows.codesum[r * rows.blocks + b]);
+#pragma GCC unroll 3
+    for (int j = 0; j < NB; ++j) sum[r * NB + j] = s0;
+  }
+}
+
+// w8a8: R rows x NB lines of 16 outputs from line `line0`. `scales` (per output) are padded to whole
+// lines; the output is total * s_w, or one FMA with the bias.
+struct W8 {
+  static constexpr int kTileLines = 3;  // 4 rows x 3 lines: 12 int32 sums, 12 fp32 totals, 3 weights, 1 broadcast
+  static int64_t line_bytes(int64_t K) { return K * kLine; }
+
+  template <int R, int NB, typename out_t>
+  static void tile(const Rows& rows, const uint8_t* w, const void* params, int64_t line0, int64_t N, const float* bias,
+                   out_t* y) {
+    const float* scales = static_cast<const float*>(params);
+    const int64_t K = rows.K, blocks = rows.blocks, lb = line_bytes(K);
+    const uint8_t* wl = w + line0 * lb;
+    __m512 total[R * NB];
+#pragma GCC unroll 12
+    for (int i = 0; i < R * NB; ++i) total[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i sum[R * NB];
+      start_sums<R, NB>(sum, rows, b, 128);
+      const uint8_t* wb = wl + b * kBlock * kLine;
+#pragma GCC unroll 8
+      for (int t = 0; t < kBlock / 4; ++t) {  // 4 inputs a step
+        __m512i wv[NB];
+#pragma GCC unroll 3
+        for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(wb + j * lb + t * 64);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, rows.xq + r * K + b * kBlock + t * 4, 4);
+          const __m512i xb = _mm512_set1_epi32(four);
+#pragma GCC unroll 3
+          for (int j = 0; j < NB; ++j) sum[r * NB + j] = _mm512_dpbusd_epi32(sum[r * NB + j], wv[j], xb);
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 sx = _mm512_set1_ps(rows.sx[r * blocks + b]);
+#pragma GCC unroll 3
+        for (int j = 0; j < NB; ++j)
+          total[r * NB + j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r * NB + j]), sx, total[r * NB + j]);
+      }
+    }
+    for (int j = 0; j < NB; ++j) {
+      const __m512 sw = _mm512_loadu_ps(scales + (line0 + j) * kLine);
+      for (int r = 0; r < R; ++r) {
+        // the bias enters by the same FMA at every width; store_tile then adds none
+        total[r * NB + j] = bias != nullptr
+                                ? _mm512_fmadd_ps(total[r * NB + j], sw, _mm512_loadu_ps(bias + (line0 + j) * kLine))
+                                : _mm512_mul_ps(total[r * NB + j], sw);
+      }
+    }
+    store_tile<R, NB>(total, line0, N, nullptr, y);
+  }
+};
+
+// w4a8: the same tiles over nibbles; `params` the bf16 scales and zeros [lines, K / 32, 2, 16].
+struct W4 {
+  static constexpr int kTileLines = 2;  // 4 rows x 2 lines: 8 sums, 8 totals, 4 unpacked lines, 2 broadcasts
+  static int64_t line_bytes(int64_t K) { return K * kLine / 2; }
+
+  template <int R, int NB, typename out_t>
+  static void tile(const Rows& rows, const uint8_t* w, const void* params, int64_t line0, int64_t N, const float* bias,
+                   out_t* y) {
+    const at::BFloat16* scale_zeros = static_cast<const at::BFloat16*>(params);
+    const int64_t K = rows.K, blocks = rows.blocks, lb = line_bytes(K);
+    const uint8_t* wl = w + line0 * lb;
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    __m512 total[R * NB];
+#pragma GCC unroll 8
+    for (int i = 0; i < R * NB; ++i) total[i] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m512i sum[R * NB];
+      start_sums<R, NB>(sum, rows, b, 8);
+      const uint8_t* wb = wl + b * kBlock * kLine / 2;
+#pragma GCC unroll 4
+      for (int t = 0; t < kBlock / 8; ++t) {  // 8 inputs a step: a packed line's low, then high nibbles
+        __m512i lo[NB], hi[NB];
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; ++j) {
+          const __m512i packed = _mm512_loadu_si512(wb + j * lb + t * 64);
+          lo[j] = _mm512_and_si512(packed, low4);
+          hi[j] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low4);
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          int32_t four_lo, four_hi;
+          std::memcpy(&four_lo, rows.xq + r * K + b * kBlock + t * 8, 4);
+          std::memcpy(&four_hi, rows.xq + r * K + b * kBlock + t * 8 + 4, 4);
+          const __m512i xlo = _mm512_set1_epi32(four_lo), xhi = _mm512_set1_epi32(four_hi);
+#pragma GCC unroll 2
+          for (int j = 0; j < NB; ++j)
+            sum[r * NB + j] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum[r * NB + j], lo[j], xlo), hi[j], xhi);
+        }
+      }
+      __m512 scale[NB], zero[NB];
+#pragma GCC unroll 2
+      for (int j = 0; j < NB; ++j) {
+        const at::BFloat16* sz = scale_zeros + ((line0 + j) * blocks + b) * 2 * kLine;
+        scale[j] = load_fp32(sz);
+        zero[j] = load_fp32(sz + kLine);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 sx = _mm512_set1_ps(rows.sx[r * blocks + b]);
+        const __m512 xsum = _mm512_set1_ps(static_cast<float>(rows.codesum[r * blocks + b]));
+#pragma GCC unroll 2
+        for (int j = 0; j < NB; ++j) {  // (P - 8 X) * s + z * X, then times s_x into the total
+          const __m512 block = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[r * NB + j]), scale[j], _mm512_mul_ps(zero[j], xsum));
+          total[r * NB + j] = _mm512_fmadd_ps(block, sx, total[r * NB + j]);
+        }
+      }
+    }
+    store_tile<R, NB>(total, line0, N, bias, y);
+  }
+};
+
+template <typename F, int R, typename out_t>
+inline void tile_lines(int NB, const Rows& rows, const uint8_t* w, const void* params, int64_t line0, int64_t N,
+                       const float* bias, out_t* y) {
+  if constexpr (F::kTileLines >= 3) {
+    if (NB == 3) return F::template tile<R, 3>(rows, w, params, line0, N, bias, y);
+  }
+  if (NB == 2) return F::template tile<R, 2>(rows, w, params, line0, N, bias, y);
+  F::template tile<R, 1>(rows, w, params, line0, N, bias, y);
+}
+
+template <typename F, typename in_t, typename out_t>
+void gemm(const in_t* x, int64_t M, int64_t K, const uint8_t* w, const void* params, int64_t N, const float* bias,
+          out_t* y) {
+  const int64_t blocks = K / kBlock, lines = (N + kLine - 1) / kLine;
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> sx(M * blocks);
+  std::vector<int32_t> codesum(M * blocks);
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * K, K, xq.data() + m * K, sx.data() + m * blocks, codesum.data() + m * blocks);
+  const int64_t tile_lines_count = M == 1 ? kOneRowTileLines : F::kTileLines;
+  const int64_t tiles = (lines + tile_lines_count - 1) / tile_lines_count;
+  // Each thread takes whole column tiles and runs every row tile on them: a tile's weights are read
+  // from memory once and from L1/L2 for the row tiles after the first.
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t line0 = t * tile_lines_count;
+      const int NB = static_cast<int>(std::min<int64_t>(tile_lines_count, lines - line0));
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxTileRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kMaxTileRows, M - m0));
+        const Rows rows{xq.data() + m0 * K, sx.data() + m0 * blocks, codesum.data() + m0 * blocks, K, blocks};
+        out_t* yr = y + m0 * N;
+        switch (R) {
+          case 1: tile_lines<F, 1>(NB, rows, w, params, line0, N, bias, yr); break;
+          case 2: tile_lines<F, 2>(NB, rows, w, params, line0, N, bias, yr); break;
+          case 3: tile_lines<F, 3>(NB, rows, w, params, line0, N, bias, yr); break;
+          default: tile_lines<F, 4>(NB, rows, w, params, line0, N, bias, yr); break;
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+}  // namespace a8_kernels

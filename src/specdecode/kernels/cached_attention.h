@@ -1,0 +1,290 @@
+// The cached-attention kernel on raw pointers (attention_cpu.cpp explains the method and why):
+// attention_cpu.cpp registers it as an op; decode_stack_cpu.cpp's lean path calls `attend` directly,
+// so both compute the same numbers (include this file only from sources built with the same flags:
+// its exp's multiply-subtracts contract as the build's -ffp-contract says).
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace attention_kernels {
+namespace {
+
+// Query rows per KV head served here (group x tokens): the per-row cost here grows as rows x keys,
+// the flash kernel's mostly fixed; measured (8/4 heads of 64, 2 threads) 2.5x faster at 2 rows,
+// 1.1-1.7x at 10, even at 16 over 600 keys.
+constexpr int64_t kMaxRows = 12;
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// 8 vectors -> [sum of a0's lanes, ..., sum of a7's lanes], each by ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+inline __m256 sum_lanes8(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+inline float fixed_sum8(__m256 v) {  // ((l0+l4)+(l2+l6))+((l1+l5)+(l3+l7))
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+inline float max8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// exp(x) lane-wise for x <= 0 (Cephes expf: range reduction by ln 2, degree-5 polynomial, the same
+// constants as exact mode's kernel); lanes below -87 (and -inf) give exactly 0.
+inline __m256 exp_nonpositive(__m256 x) {
+  const __m256 hidden = _mm256_cmp_ps(x, _mm256_set1_ps(-87.0f), _CMP_LT_OQ);
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_fmadd_ps(r, _mm256_set1_ps(1.9875691500e-4f), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(hidden, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
+// Phase 1 for one query row against S keys of one KV head: scores[s] = q . k(s) / sqrt(D), -inf where
+// the key is hidden (mask false, or past S); returns the row's maximum. DV = D / 8 vectors per head;
+// k(s): key s (stride ks elements); visible: the row's mask (nullptr: every key); scores: [S rounded
+// up to 16].
+template <int DV, typename scalar_t>
+float row_scores(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
+                 float* scores) {
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m256 qv[DV];
+  for (int c = 0; c < DV; ++c) qv[c] = load8(q + c * 8);
+  __m256 vmax = _mm256_set1_ps(neg_inf);
+  const __m256 hide = _mm256_set1_ps(neg_inf);
+  for (int64_t s0 = 0; s0 < S; s0 += 8) {
+    __m256 acc[8];
+    const bool tail = s0 + 8 > S;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const scalar_t* key = k + (tail ? std::min<int64_t>(s0 + j, S - 1) : s0 + j) * ks;  // past S: a real key, hidden
+      __m256 a = _mm256_mul_ps(qv[0], load8(key));
+#pragma GCC unroll 32
+      for (int c = 1; c < DV; ++c) a = _mm256_fmadd_ps(qv[c], load8(key + c * 8), a);
+      acc[j] = a;
+    }
+    const __m256 sc = _mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale));
+    // Hidden keys (mask false, or past S) become -inf, the others keep their score exactly.
+    __m256i seen = _mm256_set1_epi32(-1);
+    if (visible != nullptr || tail) {
+      alignas(32) int32_t flags[8];
+      for (int j = 0; j < 8; ++j) flags[j] = (s0 + j < S && (visible == nullptr || visible[s0 + j])) ? -1 : 0;
+      seen = _mm256_load_si256(reinterpret_cast<const __m256i*>(flags));
+    }
+    const __m256 kept = _mm256_blendv_ps(hide, sc, _mm256_castsi256_ps(seen));
+    _mm256_storeu_ps(scores + s0, kept);
+    vmax = _mm256_max_ps(vmax, kept);
+  }
+  return max8(vmax);
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// [a0+a1, a2+a3, .., a14+a15, b0+b1, .., b14+b15]
+inline __m512 pair_sums(__m512 a, __m512 b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+// bf16 rows on CPUs with AVX-512 BF16: 16 keys at a time, each key's dot product in 16 lanes by
+// vdpbf16ps (32 bf16 products a step, in fp32, no conversions), the 16 keys' lanes summed by one
+// fixed tree of pairwise sums. A different rounding than the 8-lane fp32 chain above, the same for
+// every row count.
+template <int DV>
+float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t ks, const bool* visible, int64_t S,
+                 float scale, float* scores) {
+  constexpr int Z = DV / 4;  // 32-value chunks of the head
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512bh qz[Z];
+  for (int c = 0; c < Z; ++c) qz[c] = (__m512bh)_mm512_loadu_si512(q + c * 32);
+  __m512 vmax = _mm512_set1_ps(neg_inf);
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    __m512 acc[16];
+    const bool tail = s0 + 16 > S;
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const at::BFloat16* key = k + (tail ? std::min<int64_t>(s0 + j, S - 1) : s0 + j) * ks;
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qz[0], (__m512bh)_mm512_loadu_si512(key));
+#pragma GCC unroll 8
+      for (int c = 1; c < Z; ++c) a = _mm512_dpbf16_ps(a, qz[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
+      acc[j] = a;
+    }
+    __m512 p[8], r[4], t[2];
+    for (int i = 0; i < 8; ++i) p[i] = pair_sums(acc[2 * i], acc[2 * i + 1]);  // 8 partial sums a key
+    for (int i = 0; i < 4; ++i) r[i] = pair_sums(p[2 * i], p[2 * i + 1]);      // 4
+    for (int i = 0; i < 2; ++i) t[i] = pair_sums(r[2 * i], r[2 * i + 1]);      // 2
+    const __m512 sc = _mm512_mul_ps(pair_sums(t[0], t[1]), _mm512_set1_ps(scale));  // lane j: key s0 + j
+    __mmask16 seen = 0xFFFF;
+    if (visible != nullptr || tail)
+      for (int j = 0; j < 16; ++j)
+        if (!(s0 + j < S && (visible == nullptr || visible[s0 + j]))) seen &= static_cast<__mmask16>(~(1u << j));
+    const __m512 kept = _mm512_mask_blend_ps(seen, _mm512_set1_ps(neg_inf), sc);
+    _mm512_storeu_ps(scores + s0, kept);
+    vmax = _mm512_max_ps(vmax, kept);
+  }
+  return _mm512_reduce_max_ps(vmax);  // a maximum: exact in any order
+}
+#endif
+
+// Phases 1 and 2: scores[0, S) become exp(score - max) (exact zeros where hidden); returns their
+// sum, 0 where the row sees no key.
+template <int DV, typename scalar_t>
+float row_probabilities(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
+                        float* scores) {
+  const float m = row_scores<DV>(q, k, ks, visible, S, scale, scores);
+  if (m == -std::numeric_limits<float>::infinity()) return 0.0f;  // sees no key (never in a decode step)
+  __m256 lanes = _mm256_setzero_ps();
+  for (int64_t s0 = 0; s0 < S; s0 += 8) {
+    const __m256 p = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(scores + s0), _mm256_set1_ps(m)));
+    _mm256_storeu_ps(scores + s0, p);
+    lanes = _mm256_add_ps(lanes, p);
+  }
+  return fixed_sum8(lanes);
+}
+
+// Phase 3 for one row: out = sum over visible keys s, in order, of p(s) v(s) (each dimension's
+// FMA chain), divided by `sum`; zeros where the row sees no key.
+template <int DV, typename scalar_t>
+void row_values(const float* probs, float sum, const scalar_t* v, int64_t vs, int64_t S, scalar_t* out) {
+  if (sum == 0.0f) {
+    for (int64_t d = 0; d < DV * 8; ++d) out[d] = static_cast<scalar_t>(0.0f);
+    return;
+  }
+  __m256 acc[DV];
+  for (int c = 0; c < DV; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    if (probs[s] == 0.0f) continue;  // hidden (or underflowed) keys add nothing
+    const __m256 p = _mm256_set1_ps(probs[s]);
+    const scalar_t* value = v + s * vs;
+    for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + c * 8), acc[c]);
+  }
+  alignas(32) float row[DV * 8];
+  const __m256 denom = _mm256_set1_ps(sum);
+  for (int c = 0; c < DV; ++c) _mm256_store_ps(row + c * 8, _mm256_div_ps(acc[c], denom));
+  for (int64_t d = 0; d < DV * 8; ++d) out[d] = static_cast<scalar_t>(row[d]);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Phase 3 for RC rows of one KV head at once: each value is loaded and widened once for all of them;
+// every row's arithmetic is row_values' (the same FMA chain per dimension, the same keys skipped),
+// so its result is too, bit for bit.
+template <int DV, int RC, typename scalar_t>
+void rows_values(const float* const* probs, const float* sums, const scalar_t* v, int64_t vs, int64_t S,
+                 scalar_t* const* outs) {
+  constexpr int Z = DV / 2;  // 16-value chunks of the head
+  __m512 acc[RC][Z];
+  for (int r = 0; r < RC; ++r)
+    for (int c = 0; c < Z; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < S; ++s) {
+    const scalar_t* value = v + s * vs;
+    __m512 vz[Z];
+    for (int c = 0; c < Z; ++c) vz[c] = load16(value + c * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < RC; ++r) {
+      const float w = probs[r][s];
+      if (w == 0.0f) continue;
+      const __m512 p = _mm512_set1_ps(w);
+      for (int c = 0; c < Z; ++c) acc[r][c] = _mm512_fmadd_ps(p, vz[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < RC; ++r) {
+    alignas(64) float row[DV * 8];
+    const __m512 denom = _mm512_set1_ps(sums[r]);
+    for (int c = 0; c < Z; ++c) _mm512_store_ps(row + c * 16, _mm512_div_ps(acc[r][c], denom));
+    for (int64_t d = 0; d < DV * 8; ++d) outs[r][d] = static_cast<scalar_t>(sums[r] == 0.0f ? 0.0f : row[d]);
+  }
+}
+#endif
+
+template <int DV, typename scalar_t>
+void attention(const scalar_t* qp, int64_t B, int64_t KVH, int64_t R, const scalar_t* kp, const int64_t* ks,
+               const scalar_t* vp, const int64_t* vs, int64_t S, const bool* mask, int64_t T, scalar_t* op) {
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DV * 8)));
+  const int64_t padded = (S + 15) / 16 * 16;
+  at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> probs(R * padded), sums(R);  // every row's probabilities, then their values
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / KVH, h = task % KVH;
+      const scalar_t* k = kp + b * ks[0] + h * ks[2];
+      const scalar_t* v = vp + b * vs[0] + h * vs[2];
+      for (int64_t r = 0; r < R; ++r) {
+        const bool* visible = mask == nullptr ? nullptr : mask + (b * T + r % T) * S;
+        sums[r] = row_probabilities<DV>(qp + (task * R + r) * DV * 8, k, ks[1], visible, S, scale,
+                                        probs.data() + r * padded);
+      }
+      int64_t r = 0;
+#if defined(__AVX512F__)
+      // Rows in groups whose accumulators fit the 32 vector registers with the values: 16 a group.
+      constexpr int RC = DV >= 32 ? 1 : 16 / (DV / 2);
+      if constexpr (DV % 2 == 0) {
+        for (; r + RC <= R; r += RC) {
+          const float* p[RC];
+          scalar_t* o[RC];
+          for (int i = 0; i < RC; ++i) {
+            p[i] = probs.data() + (r + i) * padded;
+            o[i] = op + (task * R + r + i) * DV * 8;
+          }
+          rows_values<DV, RC>(p, sums.data() + r, v, vs[1], S, o);
+        }
+      }
+#endif
+      for (; r < R; ++r)
+        row_values<DV>(probs.data() + r * padded, sums[r], v, vs[1], S, op + (task * R + r) * DV * 8);
+    }
+  });
+}
+
+// Whether `attend` serves a head size and number of rows per KV head (else PyTorch's kernel).
+inline bool serves(int64_t rows, int64_t head_dim, int64_t num_keys) {
+  return rows <= kMaxRows && (head_dim == 64 || head_dim == 128 || head_dim == 32 || head_dim == 256) && num_keys > 0;
+}
+
+// q [B, KVH, R, D] contiguous (R = group x T rows per KV head, row g * T + t for token t); key (b, s, h)
+// at keys + b * ks[0] + s * ks[1] + h * ks[2] (values likewise with vs), its D elements contiguous;
+// mask [B, T, S] bool (row-major) or nullptr (every key visible) -> out [B, KVH, R, D]. `serves` first.
+template <typename scalar_t>
+void attend(const scalar_t* q, int64_t B, int64_t KVH, int64_t R, int64_t D, const scalar_t* keys, const int64_t* ks,
+            const scalar_t* values, const int64_t* vs, int64_t S, const bool* mask, int64_t T, scalar_t* out) {
+  switch (D) {
+    case 32: return attention<4>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
+    case 64: return attention<8>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
+    case 128: return attention<16>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
+    default: return attention<32>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
+  }
+}
+
+}  // namespace
+}  // namespace attention_kernels
