@@ -20,15 +20,21 @@ PROMPT = "def f(x):\n    return"
 
 @pytest.fixture
 def native_steps(monkeypatch) -> list[int]:
-    """How many drafting steps ran as C++ calls."""
+    """How many drafting steps ran in C++ (one a call, or a chain's in one call)."""
     calls: list[int] = []
-    step = NativeStack.draft_step
+    step, chain = NativeStack.draft_step, NativeStack.draft_chain
 
     def counted(self, *args, **kwargs):
         calls.append(1)
         return step(self, *args, **kwargs)
 
+    def counted_chain(self, *args, **kwargs):
+        drafted, tops = chain(self, *args, **kwargs)
+        calls.extend([1] * len(drafted))
+        return drafted, tops
+
     monkeypatch.setattr(NativeStack, "draft_step", counted)
+    monkeypatch.setattr(NativeStack, "draft_chain", counted_chain)
     return calls
 
 
@@ -99,6 +105,29 @@ def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters,
     assert native_steps and layers.lean_forwards() >= len(native_steps) - 1  # the first feeds the whole prompt
     count = len(native_steps)
     llm_python = _python_steps(LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec))
+    _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
+    assert len(native_steps) == count
+
+
+@pytest.mark.parametrize("extra", [{"draft_p_min": 0.035}, {"verify_pruning": "dcut"}])
+def test_chains_stopped_by_p_min_or_dcut_draft_what_the_python_steps_draft(native_model, trained_drafters,
+                                                                           native_steps, monkeypatch, extra):
+    # p_min: the whole chain in one C++ call, stopping there; D-Cut's stop rule: one call a step, the
+    # rule asked between them (it must see every step's confidence).
+    calls = {"draft_chain": 0, "draft_step": 0}
+    for name in calls:
+        def counted(self, *args, _call=getattr(NativeStack, name), _name=name):
+            calls[_name] += 1
+            return _call(self, *args)
+        monkeypatch.setattr(NativeStack, name, counted)
+    spec = {"method": "mtp", "num_speculative_tokens": 4, "model": str(trained_drafters["mtp"]), **extra}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ours = _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params)
+    assert native_steps and calls["draft_chain" if "draft_p_min" in extra else "draft_step"]
+    if "draft_p_min" in extra:  # some chains stopped early, in C++
+        assert any(0 < int((tokens >= 0).sum()) < 4 for tokens, _ in ours[1])
+    count = len(native_steps)
+    llm_python = _python_steps(LLM(native_model, dtype="float32", speculative_config=spec))
     _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
     assert len(native_steps) == count
 

@@ -839,6 +839,28 @@ class DraftStep {
     return {out, token, top};
   }
 
+  // Up to max_steps greedy steps in one call (no Python between them): the first as `step` with
+  // tokens and features at `start`, step s + 1 feeding the token drafted at s (and the drafter's
+  // output at its last position) at position next_start + s. Stops after a step whose probability
+  // is below p_min (ChainDraft.record drops that token, then the chain ends). Returns the drafted
+  // tokens and probabilities of the steps run.
+  std::pair<std::vector<int64_t>, std::vector<double>> chain(Stack& layers, torch::Tensor tokens, OptTensor features,
+                                                             int64_t slot, int64_t start, int64_t next_start,
+                                                             int64_t max_steps, double p_min) {
+    std::vector<int64_t> drafted;
+    std::vector<double> tops;
+    for (int64_t s = 0; s < max_steps; ++s) {
+      auto [out, token, top] = step(layers, tokens, features, slot, start);
+      drafted.push_back(token);
+      tops.push_back(top);
+      if (top < p_min) break;
+      tokens = torch::full({1, 1}, token, torch::TensorOptions().dtype(torch::kLong));
+      if (features.has_value()) features = out.slice(1, out.size(1) - 1, out.size(1));
+      start = next_start + s;
+    }
+    return {drafted, tops};
+  }
+
  private:
   // Scores s [n] -> (the first maximum, NaN counting as the largest as in torch.argmax: the full
   // vocabulary's argmax too, as a reduced head's ids ascend; its probability 1 / sum(exp(s - max)),
@@ -896,7 +918,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DraftStep>(m, "DraftStep")
       .def(py::init<torch::Tensor, torch::Tensor, double, bool, OptTensor, double, OptTensor, double,
                     std::optional<Linear>, OptTensor, double, Linear, OptTensor>())
-      .def("step", &DraftStep::step);
+      .def("step", &DraftStep::step)
+      .def("chain", &DraftStep::chain);
   py::class_<ChainForward>(m, "ChainForward")
       .def(py::init<torch::Tensor, torch::Tensor, double, Linear>())
       .def("forward", &ChainForward::forward);

@@ -132,6 +132,12 @@ class NativeStack:
         self.bind(cache_k, cache_v)
         return step.step(self._stack, *args)
 
+    def draft_chain(self, step, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
+        """A C++ DraftStep's greedy chain (several steps, one call) through these layers on this cache:
+        step.chain(layers, *args)."""
+        self.bind(cache_k, cache_v)
+        return step.chain(self._stack, *args)
+
     def chain_forward(self, chain, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
         """A C++ ChainForward (`NativeChain`) through this stack on this cache: chain.forward(stack, *args)."""
         self.bind(cache_k, cache_v)

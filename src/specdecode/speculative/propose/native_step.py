@@ -115,9 +115,18 @@ class NativeDraftStep:
     def draft(self, layers: NativeStack, chain: ChainDraft, row: int, max_tokens: list[int], tokens: list[int],
               features: torch.Tensor | None, slot: int, start: int, next_start: int, cache_k: list[torch.Tensor],
               cache_v: list[torch.Tensor]) -> int:
-        """Draft row `row` of `chain` greedily, one C++ call a step: the first step feeds tokens [T]
-        (and features [1, T, d]) at drafter positions start .., step s + 1 the token drafted at s (and
-        the drafter's output there) at `next_start + s`. Returns the number of steps run."""
+        """Draft row `row` of `chain` greedily: the first step feeds tokens [T] (and features [1, T, d])
+        at drafter positions start .., step s + 1 the token drafted at s (and the drafter's output
+        there) at `next_start + s`. Without a stop rule (D-Cut) every step runs in one C++ call, p_min
+        applied there; with one, a call a step, the rule asked between them. Returns the number of
+        steps run."""
+        if chain.stop is None:
+            ids = torch.tensor([tokens], dtype=torch.long)
+            drafted, tops = layers.draft_chain(self._step, cache_k, cache_v, ids, features, slot, start, next_start,
+                                               max_tokens[row], chain.p_min)
+            for step, (token, top) in enumerate(zip(drafted, tops)):
+                chain.record([row], step, [token], [top])
+            return len(drafted)
         for step in range(max_tokens[row]):
             ids = torch.tensor([tokens], dtype=torch.long)
             out, token, top = layers.draft_step(self._step, cache_k, cache_v, ids, features, slot, start)
