@@ -49,10 +49,10 @@ def test_the_op_computes_attention(dtype, D, B, KVH, group, T, S):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64, 128])
 def test_a_tokens_rows_do_not_depend_on_the_other_tokens(dtype, D):
-    q, keys, values, mask = _inputs(1, 4, 2, 6, 300, D, dtype)  # 12 rows per KV head: all served here
-    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 6, D)
-    for t in range(6):  # token t alone, with its mask row and the same keys
-        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 6, D)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
+    q, keys, values, mask = _inputs(1, 4, 2, 8, 300, D, dtype)  # 16 rows per KV head: all served here
+    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 8, D)
+    for t in range(8):  # token t alone, with its mask row and the same keys
+        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 8, D)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
         assert torch.equal(alone, out[:, :, :, t]), t
 
 

@@ -17,8 +17,10 @@ namespace {
 
 // Query rows per KV head served here (group x tokens): the per-row cost here grows as rows x keys,
 // the flash kernel's mostly fixed; measured (8/4 heads of 64, 2 threads) 2.5x faster at 2 rows,
-// 1.1-1.7x at 10, even at 16 over 600 keys.
-constexpr int64_t kMaxRows = 12;
+// 1.1-1.7x at 10, even at 16 over 600 keys (fp32 scores). 12 until the bf16 scores: at 16, 7- and
+// 8-token W4A8 verification forwards of the default model measured 1.54-1.75 -> 1.14-1.33 ms and
+// 1.72-2.10 -> 1.37-1.69 ms (~120 keys, alternating builds; they also take the lean path now).
+constexpr int64_t kMaxRows = 16;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
