@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace a8_kernels {
@@ -242,6 +243,32 @@ void gemm(const in_t* x, int64_t M, int64_t K, const uint8_t* w, const void* par
       }
     }
   });
+}
+
+// The checks of a layer's tensors as gemm<W8> (bits 8) / gemm<W4> (bits 4) reads them for N outputs
+// and K inputs: packed [ceil(N/16), K/4 (w8a8) or K/8 (w4a8), 16, 4] uint8; params fp32 scales padded
+// to whole lines (w8a8) or bf16 scales and zeros [ceil(N/16), K/32, 2, 16] (w4a8); the bias (if any)
+// fp32 padded to whole lines. The ops check them every call, the C++ stack once.
+inline void check_layer(const char* name, int bits, const at::Tensor& packed, const at::Tensor& params,
+                        const std::optional<at::Tensor>& bias, int64_t N, int64_t K) {
+  const int64_t lines = (N + kLine - 1) / kLine, per_row = bits == 8 ? 4 : 8;
+  TORCH_CHECK(K % kBlock == 0, name, ": the input size must be a multiple of ", kBlock, ", got ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) == lines && packed.size(1) == K / per_row && packed.size(2) == kLine &&
+                  packed.size(3) == 4,
+              name, ": packed weight of shape [", lines, ", ", K / per_row, ", 16, 4] uint8 expected, got ",
+              packed.sizes(), " ", packed.scalar_type());
+  if (bits == 8) {
+    TORCH_CHECK(params.scalar_type() == at::kFloat && params.is_contiguous() && params.numel() == lines * kLine,
+                name, ": fp32 scales padded to ", lines * kLine, " expected");
+  } else {
+    TORCH_CHECK(params.scalar_type() == at::kBFloat16 && params.is_contiguous() &&
+                    params.numel() == lines * (K / kBlock) * 2 * kLine,
+                name, ": bf16 scales and zeros of shape [", lines, ", ", K / kBlock, ", 2, 16] expected");
+  }
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == lines * kLine),
+              name, ": fp32 bias padded to ", lines * kLine, " expected");
 }
 
 }  // namespace

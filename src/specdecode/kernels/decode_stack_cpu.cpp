@@ -21,8 +21,9 @@
 // same flags) on pointers into reused buffers, and does the views, cache writes, residual sums and
 // the SwiGLU product in plain loops: ~75 aten calls a layer (views, slices, splits, allocations,
 // the ops' own checks) become one (the SiLU, PyTorch's, for its exp). Same numbers, fewer calls:
-// on the default model at W4A8 (2-core EPYC) a one-token forward measured 0.42 -> 0.30 ms, a 4-token
-// one 0.85 -> 0.66 ms and an MTP drafting step 0.14 -> 0.10 ms (scratch timings, same session).
+// on the default model at W4A8 (2-core EPYC, alternating builds) a one-token forward measured
+// 0.53-1.06 -> 0.30-0.40 ms, a 4-token one 0.97-1.46 -> 0.68-0.81 ms and an MTP drafting step
+// 0.136-0.145 -> 0.100-0.115 ms (BENCHMARKS.md, fourteenth pass).
 #include <torch/extension.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -239,18 +240,9 @@ Linear a8_linear(int64_t weight_bits, torch::Tensor packed, torch::Tensor params
   TORCH_CHECK(weight_bits == 8 || weight_bits == 4, "a8_linear: weight bits 8 or 4, got ", weight_bits);
 #if SPECDECODE_LEAN_PATH
   // What the ops check on every call, checked once here for the lean path's direct calls.
-  const int64_t lines = (out_features + a8_kernels::kLine - 1) / a8_kernels::kLine;
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == lines && packed.size(2) == a8_kernels::kLine && packed.size(3) == 4,
-              "a8_linear: packed weight [", lines, ", K / ", weight_bits == 8 ? 4 : 8, ", 16, 4] uint8 expected");
+  TORCH_CHECK(packed.dim() == 4, "a8_linear: a packed weight [lines, K / 4 or K / 8, 16, 4] expected");
   const int64_t K = packed.size(1) * (weight_bits == 8 ? 4 : 8);
-  TORCH_CHECK(params.is_contiguous() && params.scalar_type() == (weight_bits == 8 ? at::kFloat : at::kBFloat16) &&
-                  params.numel() == (weight_bits == 8 ? lines * a8_kernels::kLine
-                                                      : lines * (K / a8_kernels::kBlock) * 2 * a8_kernels::kLine),
-              "a8_linear: scales (w8a8: fp32 per output; w4a8: bf16 scales and zeros) of the packed weight's shape");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
-                                    bias->numel() == lines * a8_kernels::kLine),
-              "a8_linear: an fp32 bias padded to whole lines");
+  a8_kernels::check_layer("a8_linear", static_cast<int>(weight_bits), packed, params, bias, out_features, K);
 #else
   const int64_t K = 0;  // no direct calls: the ops check their arguments
 #endif
@@ -350,6 +342,9 @@ class Stack {
     const int64_t d = layers_.empty() ? 0 : layers_[0].o_proj.out_features;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
+      qkv_width_ = std::max(qkv_width_, l.qkv.out_features);
+      heads_width_ = std::max(heads_width_, l.num_heads * l.head_dim);
+      intermediate_ = std::max(intermediate_, l.intermediate);
       for (const Linear* linear : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
         lean_ = lean_ && linear->a8_bits != 0 && !linear->wide;
       // The shapes its buffers assume (layer 0's qkv may read a wider input: EAGLE-3's).
@@ -434,12 +429,11 @@ class Stack {
     if (!h0.is_contiguous() || h0.scalar_type() != dtype || h0.dim() != 3 || h0.size(1) != T ||
         h0.size(2) != first.qkv.in_features)
       return false;
+    if (x.size(2) != first.o_proj.out_features) return false;  // every layer's width (the constructor checked)
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const int64_t group = l.num_heads / l.num_kv_heads;
-      if (!attention_kernels::serves(group * T, l.head_dim, num_keys) || cos.size(3) != l.head_dim ||
-          l.o_proj.out_features != x.size(2))
-        return false;
+      if (!attention_kernels::serves(group * T, l.head_dim, num_keys) || cos.size(3) != l.head_dim) return false;
       for (const torch::Tensor* cache : {&k_[i], &v_[i]})
         if (cache->scalar_type() != dtype || cache->dim() != 4 || cache->stride(3) != 1 ||
             cache->size(2) != l.num_kv_heads || cache->size(3) != l.head_dim || slot_begin >= cache->size(0) ||
@@ -459,12 +453,7 @@ class Stack {
                                                                     const std::vector<int64_t>& taps,
                                                                     const OptTensor& attn_input) {
     const int64_t T = x_in.size(1), d = x_in.size(2), L = static_cast<int64_t>(layers_.size());
-    int64_t qkv_width = 0, heads_width = 0, intermediate = 0;
-    for (const Layer& l : layers_) {
-      qkv_width = std::max(qkv_width, l.qkv.out_features);
-      heads_width = std::max(heads_width, l.num_heads * l.head_dim);
-      intermediate = std::max(intermediate, l.intermediate);
-    }
+    const int64_t qkv_width = qkv_width_, heads_width = heads_width_, intermediate = intermediate_;
     // Buffers, reused across calls: the residual stream x [T, d], a norm's output h, qkv [T, qkv],
     // q and k after their norms, the folded query and attention's output [KVH, group x T, D], its rows
     // [T, H x D], a projection's output [T, d], gate_up [T, 2I] and the SwiGLU product [T, I].
@@ -645,6 +634,7 @@ class Stack {
   double eps_;
   bool cached_attention_;
   bool lean_;  // every layer's linears are w8a8 / w4a8 ones and the cached attention kernel serves
+  int64_t qkv_width_ = 0, heads_width_ = 0, intermediate_ = 0;  // the widest layer's, sizing lean buffers
   int64_t lean_forwards_ = 0;
   std::vector<char> workspace_;  // lean_forward's buffers (a stack serves one forward at a time)
   std::vector<torch::Tensor> k_, v_;

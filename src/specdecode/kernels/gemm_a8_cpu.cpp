@@ -36,32 +36,24 @@ using namespace a8_kernels;
 
 // The checks and the call both ops share: x [..., K] (fp32 / bf16) -> [..., N] in x's dtype.
 template <typename F>
-torch::Tensor linear(const char* name, const torch::Tensor& x, const torch::Tensor& packed, int64_t inputs_per_row,
-                     const void* params, const std::optional<torch::Tensor>& bias, int64_t out_features) {
-  const int64_t K = x.size(-1), N = out_features, lines = (N + kLine - 1) / kLine;
+torch::Tensor linear(const char* name, int bits, const torch::Tensor& x, const torch::Tensor& packed,
+                     const torch::Tensor& params, const std::optional<torch::Tensor>& bias, int64_t out_features) {
+  const int64_t K = x.size(-1), N = out_features;
   TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16), name,
               ": CPU float32 or bfloat16 activations, got ", x.scalar_type(), " on ", x.device());
-  TORCH_CHECK(K % kBlock == 0, name, ": the input size must be a multiple of ", kBlock, ", got ", K);
-  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) == lines && packed.size(1) == K / inputs_per_row && packed.size(2) == kLine &&
-                  packed.size(3) == 4,
-              name, ": packed weight of shape [", lines, ", ", K / inputs_per_row, ", 16, 4] uint8 expected, got ",
-              packed.sizes(), " ", packed.scalar_type());
-  if (bias.has_value())
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == lines * kLine, name,
-                ": fp32 bias padded to ", lines * kLine, " expected");
+  check_layer(name, bits, packed, params, bias, N, K);
   const torch::Tensor rows = x.reshape({-1, K}).contiguous();
   const int64_t M = rows.size(0);
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   torch::Tensor y = torch::empty({M, N}, x.options());
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+  const void* p = params.data_ptr();
   if (M > 0) {
     if (x.scalar_type() == at::kFloat)
-      gemm<F>(rows.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), params, N, b, y.data_ptr<float>());
+      gemm<F>(rows.data_ptr<float>(), M, K, packed.data_ptr<uint8_t>(), p, N, b, y.data_ptr<float>());
     else
-      gemm<F>(rows.data_ptr<at::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), params, N, b,
-              y.data_ptr<at::BFloat16>());
+      gemm<F>(rows.data_ptr<at::BFloat16>(), M, K, packed.data_ptr<uint8_t>(), p, N, b, y.data_ptr<at::BFloat16>());
   }
   return y.view(out_shape);
 }
@@ -69,21 +61,14 @@ torch::Tensor linear(const char* name, const torch::Tensor& x, const torch::Tens
 // packed [ceil(N/16), K/4, 16, 4] uint8 (q + 128); scales, bias fp32 padded to ceil(N/16) * 16.
 torch::Tensor w8a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scales,
                           const std::optional<torch::Tensor>& bias, int64_t out_features) {
-  const int64_t lines = (out_features + kLine - 1) / kLine;
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == lines * kLine,
-              "w8a8_linear: fp32 scales padded to ", lines * kLine, " expected");
-  return linear<W8>("w8a8_linear", x, packed, 4, scales.data_ptr<float>(), bias, out_features);
+  return linear<W8>("w8a8_linear", 8, x, packed, scales, bias, out_features);
 }
 
 // packed [ceil(N/16), K/8, 16, 4] uint8 (two nibbles a byte); scale_zeros bf16 [ceil(N/16), K/32, 2, 16];
 // bias fp32 padded to ceil(N/16) * 16.
 torch::Tensor w4a8_linear(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_zeros,
                           const std::optional<torch::Tensor>& bias, int64_t out_features) {
-  const int64_t lines = (out_features + kLine - 1) / kLine, K = x.size(-1);
-  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.is_contiguous() &&
-                  scale_zeros.numel() == lines * (K / kBlock) * 2 * kLine,
-              "w4a8_linear: bf16 scales and zeros of shape [", lines, ", ", K / kBlock, ", 2, 16] expected");
-  return linear<W4>("w4a8_linear", x, packed, 8, scale_zeros.data_ptr<at::BFloat16>(), bias, out_features);
+  return linear<W4>("w4a8_linear", 4, x, packed, scale_zeros, bias, out_features);
 }
 
 }  // namespace
