@@ -2,12 +2,39 @@
 
 from __future__ import annotations
 
+import os
+import platform
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from specdecode.kernels import build
+from specdecode.kernels import (attention_cpu, build, decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int4_cpu,
+                                gemv_int8_cpu, rms_norm_cpu)
+
+# Each optional kernel: its accessor (None / False where it does not serve), the CPU flags it needs and its switch.
+OPTIONAL_KERNELS = {
+    "attention_cpu": (attention_cpu.available, attention_cpu.REQUIRED_FLAGS, "SPECDECODE_ATTENTION_KERNEL"),
+    "decode_stack_cpu": (decode_stack_cpu.extension, set(), "SPECDECODE_NATIVE_STACK"),
+    "gemm_a8_cpu": (gemm_a8_cpu._extension, gemm_a8_cpu.REQUIRED_FLAGS, "SPECDECODE_A8_KERNELS"),
+    "gemv_cpu": (gemv_cpu._extension, gemv_cpu.REQUIRED_FLAGS, "SPECDECODE_FEW_ROW_KERNELS"),
+    "gemv_int4_cpu": (gemv_int4_cpu._extension, build.FEW_ROW_FLAGS, "SPECDECODE_FEW_ROW_KERNELS"),
+    "gemv_int8_cpu": (gemv_int8_cpu._extension, build.FEW_ROW_FLAGS, "SPECDECODE_FEW_ROW_KERNELS"),
+    "rms_norm_cpu": (rms_norm_cpu._extension, set(), "SPECDECODE_NORM_KERNEL"),
+}
+
+
+@pytest.mark.parametrize("name", OPTIONAL_KERNELS)
+def test_every_kernel_this_cpu_supports_builds(name):
+    # A kernel that fails to compile is logged and left out, and its tests skip: a compile error would
+    # only show as a shorter test run. Where the CPU has its flags and a compiler is here, it must build.
+    accessor, flags, switch = OPTIONAL_KERNELS[name]
+    if platform.machine() not in ("x86_64", "AMD64") or shutil.which("c++") is None:
+        pytest.skip("the kernels are built for x86-64 with a C++ compiler")
+    if not set(flags) <= build.cpu_flags() or os.environ.get(switch, "1") == "0":
+        pytest.skip(f"{name} does not serve this CPU or is switched off")
+    assert accessor(), f"{name} failed to build (see the warning logged above)"
 
 
 def test_the_few_row_kernels_blocked_layout():
@@ -43,4 +70,4 @@ def test_a_kernel_build_is_named_by_its_headers_too(tmp_path):
     build.source_digest.cache_clear()
     assert build.source_digest(tmp_path / "k.cpp") != before
     shipped = Path(build.__file__).with_name("decode_stack_cpu.cpp")
-    assert {p.name for p in build.local_includes(shipped)} == {"rms_norm.h", "a8_gemm.h", "cached_attention.h"}
+    assert {p.name for p in build.local_includes(shipped)} == {"rms_norm.h", "a8_gemm.h", "bf16_gemm.h", "cached_attention.h"}

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_int8_cpu
+from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int8_cpu
+from specdecode.models import kernel_probe
 from specdecode.models.native_stack import NativeStack
 
 pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ step needs a C++ compiler")
@@ -91,12 +92,18 @@ def test_native_steps_draft_what_the_python_steps_draft(native_model, native_dra
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp", "draft_model"])
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w8a8")])
-def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters, native_steps, method, dtype,
-                                                      quantization):
-    # The drafter's layers on the C++ stack's lean path (EAGLE-3: attention reading its own input).
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w8a8"), ("bfloat16", None)])
+def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters, native_steps, monkeypatch, method,
+                                                      dtype, quantization):
+    # The drafter's layers on the C++ stack's lean path (EAGLE-3: attention reading its own input); bf16
+    # layers with the few-row bf16 kernel forced up to 16 rows.
     if not gemm_a8_cpu.available("cpu"):
-        pytest.skip("the int8-activation kernels need AVX-512 VNNI")
+        pytest.skip("the lean path needs AVX-512 VNNI")
+    if quantization is None and not gemv_cpu.fits(128, torch.bfloat16, "cpu"):
+        pytest.skip("the few-row bf16 kernel needs AVX-512 BF16")
+    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
+    monkeypatch.setattr(kernel_probe, "load_choices", dict)
+    monkeypatch.setattr(kernel_probe, "save_choices", lambda cached: None)
     spec = {"method": method, "num_speculative_tokens": 3, "model": str(lean_drafters[method])}
     llm = LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

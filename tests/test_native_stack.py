@@ -9,7 +9,7 @@ from helpers import make_hf_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.ragged import ForwardEntry
-from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_int8_cpu
+from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int8_cpu
 from specdecode.models import kernel_probe, llama, native_stack, wide_kernels
 from specdecode.models.inference import can_pack, detach_few_row_kernels
 from specdecode.models.quant import QuantizedLinear
@@ -110,11 +110,16 @@ def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, 
     _compare(LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2), stack_calls, monkeypatch)
 
 
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w4a8"), ("bfloat16", "w8a8")])
-def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, stack_calls, monkeypatch, dtype, quantization):
-    # w8a8 / w4a8 layers and heads the attention kernel takes: the kernels called directly, plain loops between.
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w4a8"), ("bfloat16", "w8a8"),
+                                                ("bfloat16", None)])
+def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels, stack_calls, monkeypatch, dtype,
+                                                      quantization):
+    # w8a8 / w4a8 layers, or bf16 ones the few-row bf16 kernel takes (forced up to 16 rows), and heads the
+    # attention kernel takes: the kernels called directly, plain loops between.
     if not gemm_a8_cpu.available("cpu"):
-        pytest.skip("the int8-activation kernels need AVX-512 VNNI")
+        pytest.skip("the lean path needs AVX-512 VNNI")
+    if quantization is None and not gemv_cpu.fits(128, torch.bfloat16, "cpu"):
+        pytest.skip("the few-row bf16 kernel needs AVX-512 BF16")
     llm = LLM(lean_model, dtype=dtype, quantization=quantization, max_num_seqs=2)
     stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
     _compare(llm, stack_calls, monkeypatch)

@@ -15,10 +15,11 @@
 // cache rows writing the same columns (decode, chain verification, prefill of one sequence), not
 // exact mode.
 //
-// The lean path (`Stack::lean_forward`): where every linear layer is a w8a8 / w4a8 one and the cached
-// attention kernel serves (one sequence, a decode or verification width), a layer calls the kernels'
-// own functions (a8_gemm.h, cached_attention.h, rms_norm.h: the code their ops run, built with the
-// same flags) on pointers into reused buffers, and does the views, cache writes, residual sums and
+// The lean path (`Stack::lean_forward`): where every linear layer is a w8a8 / w4a8 one or a bf16 one
+// the few-row bf16 kernel takes at this width, and the cached attention kernel serves (one sequence,
+// a decode or verification width), a layer calls the kernels' own functions (a8_gemm.h,
+// bf16_gemm.h, cached_attention.h, rms_norm.h: the code their ops run, built with the same flags) on
+// pointers into reused buffers, and does the views, cache writes, residual sums and
 // the SwiGLU product in plain loops: ~75 aten calls a layer (views, slices, splits, allocations,
 // the ops' own checks) become one (the SiLU, PyTorch's, for its exp). Same numbers, fewer calls:
 // on the default model at W4A8 (2-core EPYC, alternating builds) a one-token forward measured
@@ -44,6 +45,13 @@
 #include "cached_attention.h"
 #else
 #define SPECDECODE_LEAN_PATH 0
+#endif
+// ... and bf16 layers on it those of the few-row bf16 kernel (AVX-512 BF16).
+#if SPECDECODE_LEAN_PATH && defined(__AVX512BF16__)
+#define SPECDECODE_LEAN_BF16 1
+#include "bf16_gemm.h"
+#else
+#define SPECDECODE_LEAN_BF16 0
 #endif
 
 namespace {
@@ -140,7 +148,7 @@ struct Linear {
   // (QuantizedLinear.wide, verification widths)
   std::shared_ptr<const Linear> wide;
   int64_t out_features = 0, few_upto = 0, group = 0, wide_from = 0;
-  int64_t in_features = 0;  // w8a8 / w4a8 (the lean path's direct calls)
+  int64_t in_features = 0;  // w8a8 / w4a8, packed with the few-row layout (the lean path's direct calls)
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (wide && x.numel() >= wide_from * x.size(-1)) return (*wide)(x);
@@ -149,6 +157,16 @@ struct Linear {
       if (few_blocked.has_value() && x.numel() <= few_upto * K) {
         auto out_shape = x.sizes().vec();
         out_shape.back() = out_features;
+#if SPECDECODE_LEAN_BF16
+        // The kernel called directly where the op would only check and reshape: contiguous bf16 rows.
+        bool bf16_only = false;
+        if (x.is_contiguous() && K == in_features && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
+            direct_rows(bf16_only) > 0) {
+          torch::Tensor y = torch::empty(out_shape, x.options());
+          if (x.numel() > 0) direct(x.data_ptr<at::BFloat16>(), x.numel() / K, y.data_ptr<at::BFloat16>());
+          return y;
+        }
+#endif
         return gemm_bf16_op(x.reshape({-1, K}), *few_blocked, bias, out_features).view(out_shape);
       }
       return packed_linear_op(x, weight, bias);
@@ -182,6 +200,35 @@ struct Linear {
   }
 
 #if SPECDECODE_LEAN_PATH
+  // The most rows the lean path's direct calls (`direct`) serve: every row count for a w8a8 / w4a8
+  // layer, up to few_upto for a bf16 one with the few-row kernel's layout (what its module takes
+  // there), none otherwise. `bf16_only`: they serve bf16 activations only.
+  int64_t direct_rows(bool& bf16_only) const {
+    if (a8_bits != 0) return wide ? 0 : INT64_MAX;
+#if SPECDECODE_LEAN_BF16
+    if (bits == 16 && few_blocked.has_value() && few_blocked->scalar_type() == at::kBFloat16 &&
+        (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()))) {
+      bf16_only = true;
+      return few_upto;
+    }
+#endif
+    return 0;
+  }
+
+  // x [M, in_features] -> y [M, out_features] by the layer's kernel called directly (what its op
+  // runs), for M within `direct_rows`.
+  template <typename scalar_t>
+  void direct(const scalar_t* x, int64_t M, scalar_t* y) const {
+    if (a8_bits != 0) return a8(x, M, y);
+#if SPECDECODE_LEAN_BF16
+    if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+      const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
+      return bf16_kernels::gemm_rows(x, M, few_blocked->data_ptr<at::BFloat16>(), out_features, in_features, b, y);
+    }
+#endif
+    TORCH_CHECK(false, "Linear::direct: no direct kernel for this layer and dtype");
+  }
+
   // A w8a8 / w4a8 layer's kernel called directly (what its op runs): x [M, in_features] -> y [M, out_features].
   template <typename scalar_t>
   void a8(const scalar_t* x, int64_t M, scalar_t* y) const {
@@ -265,6 +312,13 @@ Linear packed_linear(torch::Tensor packed, OptTensor bias, int64_t out_features,
   l.out_features = out_features;
   l.few_blocked = std::move(few_blocked);
   l.few_upto = few_upto;
+#if SPECDECODE_LEAN_BF16
+  if (l.few_blocked.has_value()) {  // what the op checks on every call, checked once for the direct calls
+    TORCH_CHECK(l.few_blocked->dim() == 4, "packed_linear: the few-row layout [groups, K / 2, 64, 2] expected");
+    l.in_features = l.few_blocked->size(1) * 2;
+    bf16_kernels::check_blocked(*l.few_blocked, out_features, l.in_features);
+  }
+#endif
   return l;
 }
 
@@ -345,8 +399,10 @@ class Stack {
       qkv_width_ = std::max(qkv_width_, l.qkv.out_features);
       heads_width_ = std::max(heads_width_, l.num_heads * l.head_dim);
       intermediate_ = std::max(intermediate_, l.intermediate);
+#if SPECDECODE_LEAN_PATH
       for (const Linear* linear : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
-        lean_ = lean_ && linear->a8_bits != 0 && !linear->wide;
+        lean_rows_ = std::min(lean_rows_, linear->direct_rows(lean_bf16_only_));
+#endif
       // The shapes its buffers assume (layer 0's qkv may read a wider input: EAGLE-3's).
       const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim;
       lean_ = lean_ && KVH > 0 && H % KVH == 0 && D % 2 == 0 && l.qkv.out_features == (H + 2 * KVH) * D &&
@@ -354,6 +410,7 @@ class Stack {
               l.gate_up.in_features == d && l.gate_up.out_features == 2 * l.intermediate &&
               l.down.in_features == l.intermediate && l.down.out_features == d;
     }
+    lean_ = lean_ && lean_rows_ > 0;
   }
 
   // How many forwards took the lean path (tests check that it serves).
@@ -417,7 +474,9 @@ class Stack {
       return false;
     const auto dtype = x.scalar_type();
     const int64_t T = x.size(1);
-    if ((dtype != at::kFloat && dtype != at::kBFloat16) || T == 0) return false;
+    if ((dtype != at::kFloat && dtype != at::kBFloat16) || T == 0 || T > lean_rows_ ||
+        (lean_bf16_only_ && dtype != at::kBFloat16))
+      return false;
     for (const torch::Tensor* t : {&cos, &sin})
       if (t->scalar_type() != dtype || t->dim() != 4 || t->size(0) != 1 || t->size(1) != T || t->stride(3) != 1)
         return false;
@@ -493,7 +552,7 @@ class Stack {
         input = attn_input->data_ptr<scalar_t>();
       else
         rms_kernels::rms_norm_rows(x, l.input_norm.data_ptr<scalar_t>(), h, T, d, static_cast<float>(l.eps));
-      l.qkv.a8(input, T, qkv);
+      l.qkv.direct(input, T, qkv);
       // q, k and v of token t: qkv + t * W at 0, H * D and (H + KVH) * D; their norms (Qwen3) per head.
       const scalar_t* q = qkv;
       const scalar_t* k = qkv + H * D;
@@ -534,10 +593,10 @@ class Stack {
             std::memcpy(attn_rows + (t * H + head) * D, attended + (head * T + t) * D, D * sizeof(scalar_t));
         rows = attn_rows;
       }
-      l.o_proj.a8(rows, T, projected);
+      l.o_proj.direct(rows, T, projected);
       add_into_x(projected);
       rms_kernels::rms_norm_rows(x, l.post_norm.data_ptr<scalar_t>(), h, T, d, static_cast<float>(l.eps));
-      l.gate_up.a8(h, T, gate_up);
+      l.gate_up.direct(h, T, gate_up);
       // silu(gate) by PyTorch's op (its exp), then times up rounded as its mul_ rounds.
       torch::Tensor act_t = at::from_blob(act, {T, I}, options);
       at::silu_out(act_t, at::from_blob(gate_up, {T, I}, {2 * I, 1}, options));
@@ -546,7 +605,7 @@ class Stack {
         const scalar_t* up = gate_up + t * 2 * I + I;
         for (int64_t j = 0; j < I; ++j) a[j] = static_cast<scalar_t>(static_cast<float>(a[j]) * static_cast<float>(up[j]));
       }
-      l.down.a8(act, T, projected);
+      l.down.direct(act, T, projected);
       add_into_x(projected);
     }
     tap(L);
@@ -633,7 +692,9 @@ class Stack {
   OptTensor final_norm_;
   double eps_;
   bool cached_attention_;
-  bool lean_;  // every layer's linears are w8a8 / w4a8 ones and the cached attention kernel serves
+  bool lean_;  // the cached attention kernel serves and every layer's linears have direct kernels (lean_rows_ > 0)
+  int64_t lean_rows_ = INT64_MAX;  // the most new tokens every layer's direct kernels serve
+  bool lean_bf16_only_ = false;    // some layer's direct kernel is the bf16 one
   int64_t qkv_width_ = 0, heads_width_ = 0, intermediate_ = 0;  // the widest layer's, sizing lean buffers
   int64_t lean_forwards_ = 0;
   std::vector<char> workspace_;  // lean_forward's buffers (a stack serves one forward at a time)
