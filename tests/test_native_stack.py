@@ -59,8 +59,8 @@ def stack_calls(monkeypatch) -> list[int]:
 
 def _steps(vocab: int) -> list[list[ForwardEntry]]:
     """Prefill, a decode step (every query sees every key: no mask), a chain verify (causal mask),
-    two sequences decoding side by side, a tree verify (its mask), and two sequences at different
-    columns (not served: the stack writes one column range for all)."""
+    two sequences decoding side by side, a tree verify (its mask), two sequences at different
+    columns (a ragged batch: written by index), and two at rows out of order (read by a gather)."""
     g = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -71,7 +71,8 @@ def _steps(vocab: int) -> list[list[ForwardEntry]]:
             [ForwardEntry(0, ids(5), 10, num_logits=5)],
             [ForwardEntry(0, ids(1), 15), ForwardEntry(1, ids(1), 15)],
             [ForwardEntry(0, ids(3), 16, num_logits=3, tree_mask=tree)],
-            [ForwardEntry(0, ids(2), 19, num_logits=2), ForwardEntry(1, ids(1), 16)]]
+            [ForwardEntry(0, ids(2), 19, num_logits=2), ForwardEntry(1, ids(1), 16)],
+            [ForwardEntry(1, ids(1), 17), ForwardEntry(0, ids(2), 21, num_logits=2)]]
 
 
 def _run(llm: LLM, steps, taps=(0, 1, 2)) -> list:
@@ -87,13 +88,13 @@ def _assert_bit_identical(ours, theirs) -> None:
 def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
     steps = _steps(llm.model.config.vocab_size)
     ours = _run(llm, steps)
-    assert stack_calls == [9, 1, 5, 1, 3]  # every step but the last
+    assert stack_calls == [9, 1, 5, 1, 3, 2, 2]  # every step
     assert stack_calls.chains == [9, 1, 5]  # one sequence's chain: embedding to logits in one C++ call
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
         m.setattr(llama, "native_block_for", lambda *args: None)
         theirs = _run(llm, steps)
-    assert len(stack_calls) == 5
+    assert len(stack_calls) == 7
     _assert_bit_identical(ours, theirs)
 
 
@@ -176,6 +177,8 @@ def test_exact_mode_autograd_hooks_and_other_batches_keep_the_modules(native_mod
     assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=(0, 1), write_start=0, exact=True))
     assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=None, write_start=0))
     assert not native_stack.batch_served(AttentionBatch(attn_mask=None, slot_range=(0, 2), write_start=None))
+    ragged = AttentionBatch(attn_mask=None, slot_ids=torch.tensor([1, 0]), write_indices=torch.tensor([[3], [5]]))
+    assert native_stack.batch_served(ragged)  # written by index, read by a gather
     with torch.inference_mode():
         assert stack.serves(x.dtype) and not stack.serves(torch.bfloat16)
     assert not stack.serves(x.dtype)  # autograd on

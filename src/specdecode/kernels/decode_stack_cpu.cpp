@@ -11,9 +11,9 @@
 // row's result still does not depend on the rows beside it wherever the Python path's did not.
 //
 // It serves what models/native_stack.py checks: standard attention (GQA, optional q/k norm and
-// biases), a dense SwiGLU MLP, dense, packed bf16, int8, int4, w8a8 or w4a8 linear layers, a batch whose sequences are contiguous
-// cache rows writing the same columns (decode, chain verification, prefill of one sequence), not
-// exact mode.
+// biases), a dense SwiGLU MLP, dense, packed bf16, int8, int4, w8a8 or w4a8 linear layers, any cached
+// batch (contiguous cache rows writing the same columns by slices; a ragged one by index writes and,
+// rows out of order, a gather), not exact mode.
 //
 // The lean path (`Stack::lean_forward`): where every linear layer is a w8a8 / w4a8 one or a bf16 one
 // the few-row bf16 kernel takes at this width, and the cached attention kernel serves (one sequence,
@@ -386,6 +386,21 @@ void apply_rope_into(const torch::Tensor& x, const torch::Tensor& cos, const tor
   });
 }
 
+// Where a batch's tokens go in each layer's cache (see Stack::forward).
+struct CacheRows {
+  int64_t slot_begin, slot_end, write_start;
+  const OptTensor& slot_ids;       // [B] int64: each sequence's row (ragged batches)
+  const OptTensor& write_indices;  // [B, T] int64: each token's column (ragged batches)
+
+  bool slices() const { return slot_begin >= 0 && write_start >= 0; }
+
+  // Columns [0, num_keys) of the batch's rows [B, S, ...]: a view of contiguous rows, else a gather.
+  torch::Tensor read(const torch::Tensor& cache, int64_t num_keys) const {
+    if (slot_begin >= 0) return cache.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);
+    return cache.slice(1, 0, num_keys).index_select(0, *slot_ids);
+  }
+};
+
 class Stack {
  public:
   // cached_attention: attention by specdecode_attn::cached_attention (as the modules where it is built),
@@ -426,7 +441,9 @@ class Stack {
   // x [B, T, d] (a model's embeddings, a block's residual input), cos/sin [B, T, 1, head_dim]; the
   // batch's slots are the cache rows [slot_begin, slot_end) and its tokens write columns
   // [write_start, write_start + T); attention reads columns [0, num_keys) under `mask`
-  // [B, 1, T, num_keys] (None: every query sees every one). `attn_input` replaces the first layer's
+  // [B, 1, T, num_keys] (None: every query sees every one). A ragged batch (models/layers.py
+  // write_columns / read_columns): write_start -1, its tokens written at columns `write_indices`
+  // [B, T] of rows `slot_ids` [B]; slot_begin -1 too where those rows are not contiguous (read by a gather). `attn_input` replaces the first layer's
   // input norm as what its attention reads (EAGLE-3). Returns the last layer's output, final-normed
   // where the stack has a final norm, and the states of `taps` (models/llama.py's numbering: i is
   // layer i's input, L the last layer's output before the final norm).
@@ -435,10 +452,16 @@ class Stack {
                                                                int64_t slot_end, int64_t write_start,
                                                                int64_t num_keys, const OptTensor& mask,
                                                                const std::vector<int64_t>& taps,
-                                                               const OptTensor& attn_input) {
+                                                               const OptTensor& attn_input,
+                                                               const OptTensor& slot_ids = std::nullopt,
+                                                               const OptTensor& write_indices = std::nullopt) {
     TORCH_CHECK(k_.size() == layers_.size(), "no cache bound");
+    const CacheRows rows{slot_begin, slot_end, write_start, slot_ids, write_indices};
+    TORCH_CHECK(rows.slices() || (slot_ids.has_value() && write_indices.has_value() &&
+                                  (slot_begin >= 0 || slot_ids->size(0) == x.size(0))),
+                "a ragged batch needs its slot ids and write indices");
 #if SPECDECODE_LEAN_PATH
-    if (lean_serves(x, cos, sin, slot_begin, slot_end, write_start, num_keys, mask, attn_input)) {
+    if (rows.slices() && lean_serves(x, cos, sin, slot_begin, slot_end, write_start, num_keys, mask, attn_input)) {
       ++lean_forwards_;
       if (x.scalar_type() == at::kFloat)
         return lean_forward<float>(x, cos, sin, slot_begin, write_start, num_keys, mask, taps, attn_input);
@@ -454,8 +477,7 @@ class Stack {
     for (int64_t i = 0; i < L; ++i) {
       tap(i);
       const auto h = i == 0 && attn_input.has_value() ? *attn_input : rms_norm_op(x, layers_[i].input_norm, layers_[i].eps);
-      x = layer_forward(layers_[i], x, h, cos, sin, k_[i], v_[i], slot_begin, slot_end, write_start, num_keys, mask,
-                        cached_attention_);
+      x = layer_forward(layers_[i], x, h, cos, sin, k_[i], v_[i], rows, num_keys, mask, cached_attention_);
     }
     tap(L);
     return {final_norm_.has_value() ? rms_norm_op(x, *final_norm_, eps_) : x, tapped};
@@ -632,9 +654,8 @@ class Stack {
   static torch::Tensor layer_forward(const Layer& layer, const torch::Tensor& x, const torch::Tensor& h,
                                      const torch::Tensor& cos,
                                      const torch::Tensor& sin, const torch::Tensor& cache_k,
-                                     const torch::Tensor& cache_v, int64_t slot_begin, int64_t slot_end,
-                                     int64_t write_start, int64_t num_keys, const OptTensor& mask,
-                                     bool cached_attention) {
+                                     const torch::Tensor& cache_v, const CacheRows& rows, int64_t num_keys,
+                                     const OptTensor& mask, bool cached_attention) {
     const int64_t B = x.size(0), T = x.size(1);
     const int64_t H = layer.num_heads, KVH = layer.num_kv_heads, D = layer.head_dim;
     const auto qkv = layer.qkv(h).split_with_sizes({H * D, KVH * D, KVH * D}, -1);  // [B, T, *] views
@@ -643,13 +664,23 @@ class Stack {
     const auto v = qkv[2].view({B, T, KVH, D});
     if (layer.k_norm.has_value()) k = rms_norm_op(k, *layer.k_norm, layer.eps);
     if (layer.q_norm.has_value()) q = rms_norm_op(q, *layer.q_norm, layer.eps);
-    // Cache writes and reads as models/layers.py write_columns / read_columns (slices, no gather); the
-    // rotated K goes straight into its cache columns (the modules rotate into a new tensor, then copy
-    // it there: the same values).
-    apply_rope_into(k, cos, sin, cache_k.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T));
-    cache_v.slice(0, slot_begin, slot_end).slice(1, write_start, write_start + T).copy_(v);
-    const auto keys = cache_k.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);  // [B, S, KVH, D]
-    const auto values = cache_v.slice(0, slot_begin, slot_end).slice(1, 0, num_keys);
+    // Cache writes and reads as models/layers.py write_columns / read_columns: slices where the rows are
+    // contiguous (and, for writes, the columns shared), else an index write / a gather. A sliced write
+    // gets the rotated K straight into its cache columns (the modules rotate into a new tensor, then
+    // copy it there: the same values).
+    if (rows.slices()) {
+      const int64_t a = rows.slot_begin, b = rows.slot_end, start = rows.write_start;
+      apply_rope_into(k, cos, sin, cache_k.slice(0, a, b).slice(1, start, start + T));
+      cache_v.slice(0, a, b).slice(1, start, start + T).copy_(v);
+    } else {
+      const auto k_rotated = torch::empty({B, T, KVH, D}, x.options());
+      apply_rope_into(k, cos, sin, k_rotated);
+      const auto slots = rows.slot_ids->unsqueeze(1);  // [B, 1]
+      cache_k.index_put_({slots, *rows.write_indices}, k_rotated);
+      cache_v.index_put_({slots, *rows.write_indices}, v);
+    }
+    const auto keys = rows.read(cache_k, num_keys);  // [B, S, KVH, D]
+    const auto values = rows.read(cache_v, num_keys);
     const int64_t group = H / KVH, S = num_keys;
     torch::Tensor attn;  // [B, T, H * D]
     if (group > 1 || cached_attention) {
@@ -964,7 +995,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack>(m, "Stack")
       .def(py::init<std::vector<Layer>, OptTensor, double, bool>())
       .def("bind_cache", &Stack::bind_cache)
-      .def("forward", &Stack::forward)
+      .def("forward", &Stack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_begin"),
+           py::arg("slot_end"), py::arg("write_start"), py::arg("num_keys"), py::arg("mask"), py::arg("taps"),
+           py::arg("attn_input"), py::arg("slot_ids") = py::none(), py::arg("write_indices") = py::none())
       .def("lean_forwards", &Stack::lean_forwards);
   py::class_<DraftStep>(m, "DraftStep")
       .def(py::init<torch::Tensor, torch::Tensor, double, bool, OptTensor, double, OptTensor, double,

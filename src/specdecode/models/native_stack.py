@@ -11,8 +11,9 @@ dense SwiGLU MLPs, linear layers that are dense (`nn.Linear`, `FusedLinear`) or 
 on a path it reproduces (int8 / int4 with its few-row kernel attached, and a packed wide copy for
 verification widths, or the dequantised dense copy their forward multiplies float32 activations by;
 w8a8 / w4a8 with its kernel; no exact-mode row tiling), RMSNorm weights
-in the activations' dtype; and a batch of contiguous cache rows writing the same columns (decode,
-chain and tree verification at batch 1, equal-length batches), outside exact mode, autograd,
+in the activations' dtype; any cached batch (contiguous rows writing the same columns by slices:
+decode, chain and tree verification at batch 1, equal-length batches; ragged ones by index writes
+and, for rows out of order, a gather, as `write_columns` / `read_columns` do), outside exact mode, autograd,
 forward hooks and `torch.compile`. Packed bf16/fp16 layers (`PackedLinear`, on CPUs with AVX-512)
 run the same oneDNN op and few-row bf16 kernel as their module. Anything else runs the Python
 modules, as before.
@@ -162,8 +163,12 @@ class NativeStack:
         mask = batch.attn_mask
         num_keys = mask.shape[-1] if mask is not None else batch.num_keys
         taps = list(hidden_taps)
-        hidden, tapped = self._stack.forward(x, cos, sin, *batch.slot_range, batch.write_start, num_keys,
-                                             None if batch.sees_all else mask, taps, attn_input)
+        if batch.slot_range is not None and batch.write_start is not None:  # slices of the cache (no indices)
+            rows = (*batch.slot_range, batch.write_start, num_keys, None if batch.sees_all else mask, taps, attn_input)
+        else:  # a ragged batch: its tokens' columns written by index, its rows read by a gather unless contiguous
+            rows = (*(batch.slot_range or (-1, -1)), -1, num_keys, None if batch.sees_all else mask, taps, attn_input,
+                    batch.slot_ids, batch.write_indices)
+        hidden, tapped = self._stack.forward(x, cos, sin, *rows)
         return hidden, dict(zip(taps, tapped))
 
 
@@ -274,9 +279,12 @@ def _is_packed_linear(layer: nn.Module) -> bool:
 
 
 def batch_served(batch: AttentionBatch | None) -> bool:
-    """Whether a cached forward's batch is one the C++ stack runs: contiguous cache rows writing the
-    same columns, not exact mode (cheap: checked before anything else)."""
-    return batch is not None and batch.slot_range is not None and batch.write_start is not None and not batch.exact
+    """Whether a cached forward's batch is one the C++ stack runs: any batch with cache rows and write
+    columns, not exact mode (cheap: checked before anything else)."""
+    if batch is None or batch.exact:
+        return False
+    sliced = batch.slot_range is not None and batch.write_start is not None
+    return sliced or (batch.slot_ids is not None and batch.write_indices is not None)
 
 
 # module -> (what its stack was decided on, the stack or None); weak: no reference keeps a model alive,
