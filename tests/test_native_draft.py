@@ -5,6 +5,7 @@ as the Python step, and the Python step wherever the C++ one does not serve."""
 from __future__ import annotations
 
 import json
+import types
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int8_cpu
 from specdecode.models import kernel_probe
 from specdecode.models.native_stack import NativeStack
+from specdecode.speculative import speculator
 
 pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ step needs a C++ compiler")
 
@@ -127,6 +129,9 @@ def test_chains_stopped_by_p_min_or_dcut_draft_what_the_python_steps_draft(nativ
             calls[_name] += 1
             return _call(self, *args)
         monkeypatch.setattr(NativeStack, name, counted)
+    # D-Cut decides on measured step times: both runs read the same clock, a millisecond a reading.
+    ticks = iter(range(10**9))
+    monkeypatch.setattr(speculator, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
     spec = {"method": "mtp", "num_speculative_tokens": 4, "model": str(trained_drafters["mtp"]), **extra}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ours = _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params)
@@ -135,6 +140,7 @@ def test_chains_stopped_by_p_min_or_dcut_draft_what_the_python_steps_draft(nativ
         assert any(0 < int((tokens >= 0).sum()) < 4 for tokens, _ in ours[1])
     count = len(native_steps)
     llm_python = _python_steps(LLM(native_model, dtype="float32", speculative_config=spec))
+    ticks = iter(range(10**9))
     _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
     assert len(native_steps) == count
 
