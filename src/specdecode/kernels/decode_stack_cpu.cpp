@@ -46,7 +46,7 @@
 #else
 #define SPECDECODE_LEAN_PATH 0
 #endif
-// ... and bf16 layers on it those of the few-row bf16 kernel (AVX-512 BF16).
+// Its bf16 layers call the few-row bf16 kernel (AVX-512 BF16).
 #if SPECDECODE_LEAN_PATH && defined(__AVX512BF16__)
 #define SPECDECODE_LEAN_BF16 1
 #include "bf16_gemm.h"
