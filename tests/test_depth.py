@@ -89,6 +89,24 @@ def test_live_cost_follows_measured_steps():
     assert live.step_time(1, 1) == pytest.approx(0.011)  # its own measurement first
 
 
+def test_live_cost_learns_each_widths_measured_shape():
+    """An engine step costs a near-constant amount beyond its forward and profile points are
+    noisy, so one level per bucket keeps a wrong shape: a width measured often enough is priced
+    by its own measurements, an unmeasured one by the nearest measured width's correction."""
+    profile = CostModel({1: {1: 0.010, 3: 0.014, 5: 0.014}}, 128)  # widths 3 and 5 priced 1.4x width 1
+    live = LiveCost(profile, min_samples=4)
+    for _ in range(3):
+        live.observe(1, 1, 0.010)
+        live.observe(1, 2, 0.0105)
+    assert live.step_time(1, 2) / live.step_time(1, 1) == pytest.approx(1.2)  # 3 steps: the profile's shape
+    for _ in range(40):
+        live.observe(1, 1, 0.010)
+        live.observe(1, 2, 0.0105)  # the profile says 12 ms
+    assert live.step_time(1, 1) == pytest.approx(0.010, rel=0.02)
+    assert live.step_time(1, 2) == pytest.approx(0.0105, rel=0.02)
+    assert live.step_time(1, 5) == pytest.approx(0.014 * 0.0105 / 0.012, rel=0.03)  # width 2's correction
+
+
 def test_drafter_catch_up_is_priced_and_amortised():
     """A large batch whose drafter has not seen the prompts must not draft a step or two just to
     pay a drafter prefill over every prompt; with many tokens left, the same catch-up pays off."""
@@ -271,7 +289,9 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
     assert [guard.choose(16, 3) for _ in range(4)] == [3, 3, 3, 0]  # unmeasured: draft, sometimes measure plain
     guard.observe(16, drafted=True, tokens=40, seconds=0.040)  # 1000 tok/s drafting
     guard.observe(16, drafted=False, tokens=16, seconds=0.012)  # 1333 tok/s plain: drafting loses here
-    assert [guard.choose(16, 3) for _ in range(4)] == [0, 0, 0, 3]  # plain, re-measuring drafting now and then
+    # The rest of the plain burst that started at decision 4, then plain; drafting re-measured
+    # for a burst of 4 once 4 decisions have passed since the last burst ended.
+    assert [guard.choose(16, 3) for _ in range(8)] == [0, 0, 0, 0, 0, 0, 3, 3]
     assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # no acceptance probe before the next exploration
     assert guard.choose(1, 3) == 3  # another batch-size bucket has its own measurements
     for _ in range(50):
@@ -279,7 +299,7 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
     assert [guard.choose(16, 3) for _ in range(3)] == [3, 3, 3]
     # Where drafting pays, a declined step drafts one token now and then (acceptance is only
     # measured where drafts are verified), and drafting steps sometimes go one position deeper.
-    assert [guard.choose(16, 0) for _ in range(5)] == [1, 0, 0, 0, 1]  # decisions 20..24 of this bucket
+    assert [guard.choose(16, 0) for _ in range(5)] == [0, 0, 1, 0, 0]  # decisions 24..28 of this bucket
     probing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=4, first_explore=1000)
     assert [probing.choose(1, 2) for _ in range(8)] == [2, 3, 2, 2, 2, 3, 2, 2]
     assert [probing.choose(1, 4) for _ in range(4)] == [4, 4, 4, 4]  # never beyond the configured k
@@ -292,9 +312,21 @@ def test_measured_guard_backs_off_while_drafting_keeps_losing():
     guard.observe(64, drafted=True, tokens=100, seconds=0.1)
     guard.observe(64, drafted=False, tokens=64, seconds=0.03)  # drafting loses at batch 64
     drafted_at = [i for i in range(1, 61) if guard.choose(64, 4) > 0]
-    # Re-measured after 4, 8, 16, 16, 16 decisions, each time for a burst of 4 drafting steps
-    # (the first of a burst pays the drafter's catch-up and is not measured).
-    assert drafted_at == [4, 5, 6, 7, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60]
+    # Re-measured 4, 8, 16, 16 decisions after the last re-measurement ended, each time for a burst
+    # of 4 drafting steps (the first of a burst pays the drafter's catch-up and is not measured).
+    assert drafted_at == [4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
+
+
+def test_measured_guard_backs_off_re_measuring_plain_decoding_while_drafting_keeps_winning():
+    """Each re-measurement of plain decoding where drafting wins costs drafting's margin on its
+    steps: the interval doubles while the verdict holds (4, 4, 8, 16, 32, 32 here)."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=32, min_samples=1)
+    guard.observe(1, drafted=True, tokens=3, seconds=0.02)  # 150 tok/s drafting
+    guard.observe(1, drafted=False, tokens=1, seconds=0.01)  # 100 tok/s plain
+    plain_at = [i for i in range(1, 121) if guard.choose(1, 4) == 0]
+    assert plain_at == [4, 5, 6, 7, 11, 12, 13, 14, 22, 23, 24, 25, 41, 42, 43, 44, 76, 77, 78, 79, 111, 112, 113, 114]
 
 
 def test_a_declined_step_probes_one_token_at_backing_off_intervals_where_drafting_lost():
@@ -332,9 +364,9 @@ def test_measured_guard_measures_both_arms_early():
     from specdecode.speculative.policy.guard import MeasuredGuard
 
     guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4, min_samples=1)
-    # A fresh bucket: drafting on the model's word, plain decoding measured at the 4th decision
-    # (not the 32nd), then again every 4th until it has been measured.
-    assert [guard.choose(16, 3) for _ in range(8)] == [3, 3, 3, 0, 3, 3, 3, 0]
+    # A fresh bucket: drafting on the model's word, plain decoding measured from the 4th decision
+    # (not the 32nd) for a burst of 4 steps, then again 4 decisions later until it has been measured.
+    assert [guard.choose(16, 3) for _ in range(12)] == [3, 3, 3, 0, 0, 0, 0, 3, 3, 3, 0, 0]
     guard.observe(16, drafted=True, tokens=40, seconds=0.040)
     guard.observe(16, drafted=False, tokens=16, seconds=0.012)  # drafting loses: plain from now on
     assert [guard.choose(16, 3) for _ in range(8)] == [0] * 8
@@ -354,6 +386,23 @@ def test_the_guard_compares_steps_in_units_of_the_machines_speed_at_the_time():
         depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
     # In wall seconds: 91 against 100 tok/s, drafting "loses"; in step units it wins clearly.
     assert depth.guard.rate(1, True) > 1.2 * depth.guard.rate(1, False)
+
+
+def test_the_guard_counts_only_steps_after_a_step_of_the_same_arm():
+    """The first step after a switch between drafting and plain decoding pays for the switch
+    (caches cold for the other model, a drafter catch-up), so it measures neither arm."""
+    cost = CostModel({1: {1: 0.010, 5: 0.011}}, 128)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
+    depth = DepthController(config, lambda: cost)
+    depth.cost
+    for _ in range(20):  # alternating: every step follows one of the other arm
+        depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.015)
+        depth.update(StepPlan([4]), [None], [4], [2], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.020)
+    assert depth.guard.rate(1, True) is None and depth.guard.rate(1, False) is None
+    for _ in range(5):
+        depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
+    assert depth.guard.sums[1, False][2] == 4  # the first plain step of the run followed a drafting step
+    assert depth.guard.rate(1, False) is not None and depth.guard.rate(1, True) is None
 
 
 def test_dcut_probes_acceptance_with_one_token_where_it_declines_and_drafting_lost():

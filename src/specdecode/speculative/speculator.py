@@ -29,7 +29,7 @@ from specdecode.logit_adjust import path_tokens
 from specdecode.logprobs import token_logprobs
 from specdecode.sampling import RowMasks, SamplingBatch, sample
 from specdecode.speculative.config import SpeculativeConfig
-from specdecode.speculative.policy.controller import DepthController
+from specdecode.speculative.policy.controller import DepthController, StepPlan
 from specdecode.speculative.policy.cost_model import load_or_profile
 from specdecode.speculative.propose.proposer import Draft, Proposer, ProposerContext
 from specdecode.speculative.propose.registry import PROPOSERS
@@ -103,6 +103,8 @@ class Speculator:
 
     def _step(self, seqs: list[Sequence], sampling: SamplingBatch) -> StepOutput:
         plan = self.depth.plan(seqs, [self.proposer.pending_tokens(s) for s in seqs])
+        if not plan.drafts and self.proposer.max_tree_depth == 0:
+            return self._step_without_draft(seqs, sampling, plan)
         grammar = None  # chains: grammar masks at every verification position of the constrained rows
 
         t0 = time.perf_counter()
@@ -146,6 +148,31 @@ class Speculator:
         return StepOutput(seqs, [row[: a + 1] for row, a in zip(tokens, num_accepted)], [1 + a for a in num_accepted],
                           num_draft=num_draft, num_accepted=num_accepted, draft_seconds=t1 - t0, verify_seconds=t2 - t1,
                           logprobs=logprobs)
+
+    def _step_without_draft(self, seqs: list[Sequence], sampling: SamplingBatch, plan: StepPlan) -> StepOutput:
+        """A chain step in which nobody drafts: plain decoding's forward and sampling, without the
+        proposal and verification bookkeeping (its host work was most of what a speculative engine
+        whose policy stopped drafting cost over a plain engine)."""
+        t0 = time.perf_counter()
+        entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
+        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
+        verified = self._sample_without_draft(result.logits[:, 0], sampling)
+        tokens, num_accepted = verified.host()
+        logprobs = self._committed_logprobs(seqs, sampling, result.logits, sampling, tokens, num_accepted, None)
+        seconds = time.perf_counter() - t0
+        num_draft = [0] * len(seqs)
+        self.depth.update(plan, seqs, num_draft, num_accepted, 0.0, 0, None, seconds)
+        self.proposer.on_commit(seqs, Draft.empty(len(seqs), self.target.device), verified, result)
+        return StepOutput(seqs, [list(row) for row in tokens], [1] * len(seqs), num_draft=num_draft,
+                          num_accepted=list(num_accepted), draft_seconds=0.0, verify_seconds=seconds, logprobs=logprobs)
+
+    def _sample_without_draft(self, logits: torch.Tensor, sampling: SamplingBatch) -> Verified:
+        """Sample as plain decoding does from logits [B, V], without the verifier's [B, k+1, V] work.
+        The seeded rows still draw their k uniforms, so their random streams stay batch-independent."""
+        skip_uniform_draws(self.k, sampling.generators, self.target.device)
+        final = sample(logits, sampling)
+        host = final.tolist()
+        return Verified(final[:, None], torch.zeros_like(final), _host=([[t] for t in host], [0] * len(host)))
 
     def _position_rows(self, sampling: SamplingBatch, token_ids: torch.Tensor, parents: torch.Tensor | None,
                        grammar: RowMasks | None) -> SamplingBatch | None:
@@ -194,12 +221,8 @@ class Speculator:
         entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
                                 num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
         result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
-        if max(num_draft) == 0:
-            # Nothing to verify: sample as plain decoding does, without the verifier's [B, k+1, V] work.
-            # The seeded rows still draw their k uniforms, so their random streams stay batch-independent.
-            skip_uniform_draws(self.k, sampling.generators, self.target.device)
-            final = sample(result.logits[:, 0], sampling)
-            return result, Verified(final[:, None], torch.zeros_like(final)), result.logits[:, :1], sampling
+        if max(num_draft) == 0:  # nothing to verify (the drafter proposed nothing)
+            return result, self._sample_without_draft(result.logits[:, 0], sampling), result.logits[:, :1], sampling
         draft = draft.pad_to(self.k)  # fixed width k: per-request random draws never depend on the batch
         logits = _pad_logits(result.logits, self.k + 1)
         rows = self._position_rows(sampling, draft.token_ids, None, grammar)

@@ -74,6 +74,7 @@ class DepthController:
         self._cost_model_loader = cost_model_loader
         self._cost = None
         self.guard = MeasuredGuard(self.k)
+        self._last_arm: tuple[int, bool] | None = None  # the last step's (batch-size bucket, drafted)
         self.schedule_k: dict[str, int] = {}  # heuristic schedule: request id -> its current k
 
     @property
@@ -91,16 +92,20 @@ class DepthController:
         commits accepted + 1 tokens, so at most room - 1 drafts are useful). `pending[b]`: the
         committed tokens the drafter must consume before drafting for sequence b."""
         catching_up = prune = False
-        if self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
-            remaining = sum(seq.room for seq in seqs) / len(seqs)
+        if (self.schedule == "auto" or self.pruning == "dcut") and self.guard.declines(len(seqs)):
+            per_seq = [self.guard.choose(len(seqs), 0)] * len(seqs)  # 0: nothing to price
+        elif self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
+            B = len(seqs)
+            remaining = sum(seq.room for seq in seqs) / B
             catch_up = self.catch_up_time(pending)
-            k = auto_k(self.cost, len(seqs), self.k, self.estimator, self.draft_step_time(len(seqs)), catch_up,
-                       remaining, draft_fixed=self.draft_seconds(len(seqs), 0))
-            chosen = self.guard.choose(len(seqs), k)
+            step = self.cost.step_time(B, B)
+            k = auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up, remaining,
+                       draft_fixed=self.draft_cost.fixed * step)
+            chosen = self.guard.choose(B, k, switch_steps=catch_up / step)
             catching_up = chosen > 0 and catch_up > 0
             # A guard probe (deeper than chosen) measures acceptance: drafting must not stop it early.
             prune = self.pruning == "dcut" and chosen <= k
-            per_seq = [chosen] * len(seqs)
+            per_seq = [chosen] * B
         elif self.schedule == "heuristic":
             per_seq = [self.schedule_k.get(seq.request_id, self.k) for seq in seqs]
         else:
@@ -196,7 +201,9 @@ class DepthController:
                draft_seconds: float, num_draft_steps: int, confidence: list[list[float]] | None = None,
                step_seconds: float | None = None) -> None:
         self.estimator.update(num_draft, num_accepted, confidence)
-        if step_seconds and not plan.catching_up:  # a catch-up is a one-time cost, priced by auto_k
+        arm = (len(seqs).bit_length(), sum(num_draft) > 0)
+        steady, self._last_arm = arm == self._last_arm, arm  # the guard's rates exclude switching steps
+        if step_seconds and not plan.catching_up and steady:  # a catch-up is a one-time cost, priced by auto_k
             # In units of the machine's speed when the step ran (the live cost's level, from every step's
             # target time): the guard compares rates measured minutes apart, and a slow spell while
             # drafting was measured froze drafting off for thousands of steps of a faster machine.

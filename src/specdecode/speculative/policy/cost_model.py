@@ -32,7 +32,7 @@ from specdecode.engine.runner import ForwardEntry, Runner
 log = logging.getLogger(__name__)
 
 PREFILL_WIDTH = 32  # tokens per sequence of the profile's prefill-sized point
-PROFILE_VERSION = 2  # cached profiles of another version are re-measured
+PROFILE_VERSION = 3  # cached profiles of another version are re-measured (3: points timed in interleaved rounds)
 
 
 @dataclasses.dataclass(slots=True)
@@ -85,37 +85,73 @@ class CostModel:
 
 
 class LiveCost:
-    """The profile's shape at the measured level.
+    """The profile at the measured level and, where steps of a width have run, the measured shape.
 
     A profile is one snapshot of a machine whose speed drifts (measured here: +-25% over tens
     of seconds), and a start-up profile taken while the machine was busy is cached and reused:
     one such profile priced batch-1 steps at 15.8 ms that took 11 ms, and batch-16 steps at 20 ms
     that took 12 ms. So every served step's measured time outside drafting is compared with the
     profile's price of its forward, and an EMA of that ratio per batch-size bucket (powers of two)
-    scales the profile; a bucket not measured yet takes the nearest measured one's scale. The
-    ratio also carries what the profile never sees (sampling, verification, bookkeeping).
+    scales the profile (the level); a bucket not measured yet takes the nearest measured one's level.
+    The ratio also carries what the profile never sees (sampling, verification, bookkeeping).
+
+    That part is roughly constant per step, not proportional to the forward, and the profile's own
+    points are noisy, so one level per bucket keeps the profile's shape across widths where the
+    engine's differs (traced, batch 1, bf16: verifying 5 tokens measured 1.09x a one-token step
+    where the cached profile priced 1.42x, and D-Cut verified 1-2 drafts where fixed k=4 paid most).
+    So each width (tokens per sequence, rounded) keeps its own EMA of ratio / level, its shape
+    correction, used once `min_samples` steps measured it; other widths take the nearest measured
+    width's (the guard's deeper probes measure the next width up).
     """
 
-    def __init__(self, profile: CostModel, weight: float = 0.1):
+    def __init__(self, profile: CostModel, weight: float = 0.1, min_samples: int = 4):
         self.profile = profile
         self.weight = weight
+        self.min_samples = min_samples
         self.scale: dict[int, float] = {}  # batch-size bucket (bit length) -> measured / profiled
+        self.shape: dict[int, dict[int, list[float]]] = {}  # bucket -> {width: [EMA of ratio / level, steps]}
+        self.measured: dict[int, tuple[list[int], list[float]]] = {}  # bucket -> widths with min_samples, corrections
 
     def factor(self, batch_size: int) -> float:
+        """The level: measured / profiled step time in this batch size's bucket (the machine's speed)."""
         if not self.scale:
             return 1.0
         bucket = batch_size.bit_length()
         return self.scale.get(bucket) or self.scale[min(self.scale, key=lambda b: abs(b - bucket))]
 
     def step_time(self, batch_size: int, total_tokens: int) -> float:
-        return self.factor(batch_size) * self.profile.step_time(batch_size, total_tokens)
+        return self.factor(batch_size) * self._shape(batch_size, total_tokens) * self.profile.step_time(batch_size, total_tokens)
+
+    def _shape(self, batch_size: int, total_tokens: int) -> float:
+        measured = self.measured.get(batch_size.bit_length())
+        if measured is None:
+            return 1.0
+        widths, corrections = measured
+        n = total_tokens / max(1, batch_size)
+        i = bisect.bisect_left(widths, n)
+        if i == len(widths) or (i > 0 and n - widths[i - 1] < widths[i] - n):
+            i -= 1
+        return corrections[i]
 
     def observe(self, batch_size: int, total_tokens: int, seconds: float) -> None:
         """A step's measured seconds outside drafting, for a forward of these dimensions."""
         ratio = seconds / self.profile.step_time(batch_size, total_tokens)
         bucket = batch_size.bit_length()
         old = self.scale.get(bucket)
-        self.scale[bucket] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
+        level = self.scale[bucket] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
+        widths = self.shape.setdefault(bucket, {})
+        width = round(total_tokens / max(1, batch_size))
+        entry = widths.setdefault(width, [1.0, 0])
+        entry[1] += 1
+        w = max(self.weight, 1 / entry[1])  # the plain mean of the first steps, then an EMA
+        entry[0] = (1 - w) * entry[0] + w * ratio / level
+        if entry[1] >= self.min_samples:
+            measured = self.measured.get(bucket)
+            if measured is None or entry[1] == self.min_samples:  # a width joins the measured ones
+                ready = sorted(n for n, (_, steps) in widths.items() if steps >= self.min_samples)
+                self.measured[bucket] = (ready, [widths[n][0] for n in ready])
+            else:
+                measured[1][measured[0].index(width)] = entry[0]
 
 
 def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device, variant: str = "") -> Path:
@@ -137,21 +173,23 @@ def profile(runner: Runner, batch_sizes: list[int], widths: list[int], context: 
     num_slots = runner.kv_cache.num_slots
     prefix = list(range(3, 3 + context))
     runner.forward([ForwardEntry(s, prefix, start=0) for s in range(min(num_slots, max(batch_sizes)))])
-    table: dict[int, dict[int, float]] = {}
-    for B in batch_sizes:
-        B = min(B, num_slots)
-        table[B] = {}
-        for n in widths:
-            entries = [ForwardEntry(s, list(range(5, 5 + n)), start=context, num_logits=n) for s in range(B)]
-            runner.forward(entries)  # warm-up for this shape
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                runner.forward(entries)
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize()
-                times.append(time.perf_counter() - t0)
-            table[B][n] = min(times)
+    points = list(dict.fromkeys((min(B, num_slots), n) for B in batch_sizes for n in widths))
+    entries = {(B, n): [ForwardEntry(s, list(range(5, 5 + n)), start=context, num_logits=n) for s in range(B)]
+               for B, n in points}
+    for point in points:
+        runner.forward(entries[point])  # warm-up for this shape
+    # Round-robin over the points, the fastest of each point's repeats: a slow spell of the machine
+    # (seconds long here) then costs every point a repeat, not all repeats of the points it hits
+    # (timed back to back, a cached profile priced batch-1 widths 3 and 5 1.4x width 1; re-profiled four times: 1.0-1.27x).
+    table: dict[int, dict[int, float]] = {B: {} for B, _ in points}
+    for _ in range(repeats):
+        for B, n in points:
+            t0 = time.perf_counter()
+            runner.forward(entries[B, n])
+            if runner.device.type == "cuda":
+                torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t0
+            table[B][n] = min(table[B].get(n, elapsed), elapsed)
     return CostModel(monotone(table), context)
 
 

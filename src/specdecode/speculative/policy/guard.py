@@ -13,10 +13,15 @@ class MeasuredGuard:
     measured committed tokens per second of steps that drafted and of steps that did not
     (EMA), and lets the policy draft only where drafting has not measured slower. Every
     `explore_every`-th decision in a bucket (the `first_explore`-th while an arm is still
-    unmeasured) takes the other arm, so both figures stay current
-    (the cost of being wrong is bounded by that fraction of steps); where drafting keeps
-    losing, the interval doubles up to `max_interval`, because each such probe pays the
-    drafter's catch-up over everything decoded since the last one.
+    unmeasured) takes the other arm for `burst` steps, so both figures stay current
+    (the cost of being wrong is bounded by that fraction of steps). The interval doubles up
+    to `max_interval` while explorations confirm the verdict, and at every exploration where
+    drafting loses, because each such probe pays the drafter's catch-up over everything
+    decoded since the last one. Only steady steps count
+    (the controller passes a step only when the one before it took the same arm): the first
+    step after a switch pays for it (traced, draft model at batch 1: a plain step right after
+    a drafting step 1.59 ms, after a plain step 1.39 ms; counting both, plain decoding measured
+    slower than drafting that lost 7% to a plain engine).
 
     Seconds arrive in units of the machine's speed at the time (DepthController divides by the
     live cost model's level), so a slow phase of the machine lands on neither arm.
@@ -31,10 +36,15 @@ class MeasuredGuard:
 
     def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 4, weight: float = 0.05,
                  margin: float = 0.97, max_interval: int = 1024, burst: int = 4, first_explore: int = 4,
-                 min_samples: int = 4):
+                 min_samples: int = 4, switch_budget: float = 0.03):
         self.k_max = k_max
-        self.burst = burst  # drafting steps per re-measurement: its first pays the catch-up and is not measured
+        # Steps per re-measurement of the other arm: its first pays the switch (a drafter catch-up,
+        # caches cold for the other model) and is not measured (DepthController.update).
+        self.burst = burst
+        self.switch_budget = switch_budget
         self.burst_left: dict[int, int] = {}
+        self.burst_drafts: dict[int, bool] = {}  # bucket -> whether the burst in progress drafts
+        self.verdict: dict[int, bool | None] = {}  # bucket -> `loses` at the last exploration
         self.explore_every = explore_every
         # Until both arms are measured in a bucket, the other arm is tried after this many decisions:
         # a batch of 16 fresh requests drafting on an optimistic prior ran a whole round at 0.7x.
@@ -59,10 +69,23 @@ class MeasuredGuard:
         sums = self.sums.get((bucket, drafted))
         return None if sums is None or sums[2] < self.min_samples else sums[0] / sums[1]
 
-    def choose(self, batch_size: int, k: int) -> int:
-        """The draft length to use when the policy chose k."""
+    def declines(self, batch_size: int) -> bool:
+        """Whether the next `choose` in this bucket returns 0 whatever k is: drafting measured
+        slower and neither a burst nor an exploration is due (the policy need not price a draft)."""
+        bucket = batch_size.bit_length()
+        spec, plain = self.rate(bucket, True), self.rate(bucket, False)
+        loses = spec is not None and plain is not None and spec < self.margin * plain
+        return (loses and self.burst_left.get(bucket, 0) == 0
+                and self.since.get(bucket, 0) + 1 < self.interval.get(bucket, self.explore_every))
+
+    def choose(self, batch_size: int, k: int, switch_steps: float = 0.0) -> int:
+        """The draft length to use when the policy chose k. `switch_steps`: what drafting now
+        would cost first (the drafter's catch-up), in plain steps of this batch."""
         bucket = batch_size.bit_length()
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
+        if k > 0 and self.burst_left.get(bucket, 0) > 0:  # the rest of a re-measurement burst, on its arm
+            self.burst_left[bucket] -= 1
+            return self._deeper(k, n) if self.burst_drafts[bucket] else 0
         spec, plain = self.rate(bucket, True), self.rate(bucket, False)
         measured = spec is not None and plain is not None
         loses = measured and spec < self.margin * plain
@@ -71,27 +94,34 @@ class MeasuredGuard:
         if not measured:
             interval = min(interval, self.first_explore)
         explore = since >= interval
+        if explore and (loses or k == 0) and switch_steps > self.switch_budget * since:
+            # A re-measurement of drafting that loses, or an acceptance probe, pays the drafter's
+            # catch-up over everything decoded since drafting stopped (traced: EAGLE-3 at batch 4,
+            # 30 ms a probe, 11 plain steps, 2.3% of the engine's time in one pass): it waits until that is
+            # at most `switch_budget` of the steps since the last one.
+            explore = False
         if explore:
             self.since[bucket] = 0
             # Re-measuring drafting where it loses costs a drafter catch-up over every token decoded
-            # since: back off (32, 64, ... decisions) while it keeps losing.
-            self.interval[bucket] = min(2 * interval, self.max_interval) if loses else self.explore_every
+            # since: back off (32, 64, ... decisions) while it keeps losing. Where it wins, plain
+            # decoding's re-measurement costs its margin: back off while the verdict holds.
+            holds = measured and self.verdict.get(bucket) == loses
+            self.verdict[bucket] = loses if measured else None
+            self.interval[bucket] = min(2 * interval, self.max_interval) if loses or holds else self.explore_every
         if k == 0:  # the model declined: re-measure acceptance with one token now and then
             # Also where drafting measured slower: the model's "no" comes from the acceptance
             # estimate, which nothing else refreshes while nothing is drafted (traced: D-Cut with
             # EAGLE-3 at batch 1 drafted 53 tokens in a whole run and stayed off). There the
             # interval backs off like the re-measurements of drafting, and a probe is one token.
             return 1 if explore and measured else 0
-        if loses and self.burst_left.get(bucket, 0) > 0:  # the rest of a re-measurement burst
-            self.burst_left[bucket] -= 1
-            return k
-        if loses and explore:
-            self.burst_left[bucket] = self.burst - 1
-        if loses != explore:
-            return 0
-        if k < self.k_max and n % self.probe_every == self.probe_every // 2:
-            return k + 1
-        return k
+        drafting = loses == explore
+        if explore:  # the other arm, for `burst` steps (the interval counts from the burst's end)
+            self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, drafting
+        return self._deeper(k, n) if drafting else 0
+
+    def _deeper(self, k: int, n: int) -> int:
+        """Every `probe_every`-th drafting decision drafts one position deeper than chosen."""
+        return k + 1 if k < self.k_max and n % self.probe_every == self.probe_every // 2 else k
 
     def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
         sums = self.sums.setdefault((batch_size.bit_length(), drafted), [0.0, 0.0, 0])
