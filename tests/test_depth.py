@@ -329,6 +329,30 @@ def test_measured_guard_backs_off_re_measuring_plain_decoding_while_drafting_kee
     assert plain_at == [4, 5, 6, 7, 11, 12, 13, 14, 22, 23, 24, 25, 41, 42, 43, 44, 76, 77, 78, 79, 111, 112, 113, 114]
 
 
+def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
+    """Re-measuring drafting where it loses (or probing acceptance) first pays the drafter's
+    catch-up over everything decoded since it stopped: it waits until that is at most 3% of the
+    decisions since the last probe. Where nothing is due, the guard declines whatever k is."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    def losing_guard():
+        guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
+        guard.observe(4, drafted=True, tokens=6, seconds=0.010)
+        guard.observe(4, drafted=False, tokens=4, seconds=0.004)  # drafting loses at batch 4
+        return guard
+
+    cheap = losing_guard()
+    assert [i for i in range(1, 61) if cheap.choose(4, 2, switch_steps=0.05) > 0] == [
+        4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
+    dear = losing_guard()  # a catch-up worth 3 plain steps: the burst starts 100 decisions in
+    assert [i for i in range(1, 121) if dear.choose(4, 2, switch_steps=3.0) > 0] == [100, 101, 102, 103]
+    probe = losing_guard()  # the model declined: its one-token acceptance probe waits the same way
+    assert [i for i in range(1, 201) if probe.choose(4, 0, switch_steps=3.0) > 0] == [100, 200]
+    declining = losing_guard()
+    assert [declining.declines(4) for _ in range(3)] == [True] * 3  # asking changes nothing
+    assert [(declining.declines(4), declining.choose(4, 2)) for _ in range(4)] == [(True, 0)] * 3 + [(False, 2)]
+
+
 def test_a_declined_step_probes_one_token_at_backing_off_intervals_where_drafting_lost():
     """auto-k / D-Cut decline from the acceptance estimate; only drafted tokens refresh it, so a
     guard that never drafted where drafting had measured slower froze both (batch 1, EAGLE-3)."""

@@ -120,7 +120,8 @@ class LiveCost:
         return self.scale.get(bucket) or self.scale[min(self.scale, key=lambda b: abs(b - bucket))]
 
     def step_time(self, batch_size: int, total_tokens: int) -> float:
-        return self.factor(batch_size) * self._shape(batch_size, total_tokens) * self.profile.step_time(batch_size, total_tokens)
+        profiled = self.profile.step_time(batch_size, total_tokens)
+        return self.factor(batch_size) * self._shape(batch_size, total_tokens) * profiled
 
     def _shape(self, batch_size: int, total_tokens: int) -> float:
         measured = self.measured.get(batch_size.bit_length())
@@ -180,7 +181,8 @@ def profile(runner: Runner, batch_sizes: list[int], widths: list[int], context: 
         runner.forward(entries[point])  # warm-up for this shape
     # Round-robin over the points, the fastest of each point's repeats: a slow spell of the machine
     # (seconds long here) then costs every point a repeat, not all repeats of the points it hits
-    # (timed back to back, a cached profile priced batch-1 widths 3 and 5 1.4x width 1; re-profiled four times: 1.0-1.27x).
+    # (with each point's repeats back to back, a cached profile priced batch-1 widths 3 and 5 at
+    # 1.4x width 1; four profiles taken in a row: 1.0-1.27x).
     table: dict[int, dict[int, float]] = {B: {} for B, _ in points}
     for _ in range(repeats):
         for B, n in points:

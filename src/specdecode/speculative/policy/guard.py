@@ -17,11 +17,11 @@ class MeasuredGuard:
     (the cost of being wrong is bounded by that fraction of steps). The interval doubles up
     to `max_interval` while explorations confirm the verdict, and at every exploration where
     drafting loses, because each such probe pays the drafter's catch-up over everything
-    decoded since the last one. Only steady steps count
-    (the controller passes a step only when the one before it took the same arm): the first
-    step after a switch pays for it (traced, draft model at batch 1: a plain step right after
-    a drafting step 1.59 ms, after a plain step 1.39 ms; counting both, plain decoding measured
-    slower than drafting that lost 7% to a plain engine).
+    decoded since the last one. Only steady steps count (the controller passes a step only
+    when the one before it took the same arm): the first step after a switch pays for it
+    (traced, draft model at batch 1: a plain step right after a drafting step 1.59 ms, after a
+    plain step 1.39 ms; counting both, plain decoding measured slower than drafting that lost
+    7% to a plain engine).
 
     Seconds arrive in units of the machine's speed at the time (DepthController divides by the
     live cost model's level), so a slow phase of the machine lands on neither arm.
@@ -97,8 +97,8 @@ class MeasuredGuard:
         if explore and (loses or k == 0) and switch_steps > self.switch_budget * since:
             # A re-measurement of drafting that loses, or an acceptance probe, pays the drafter's
             # catch-up over everything decoded since drafting stopped (traced: EAGLE-3 at batch 4,
-            # 30 ms a probe, 11 plain steps, 2.3% of the engine's time in one pass): it waits until that is
-            # at most `switch_budget` of the steps since the last one.
+            # 30 ms a probe, 11 plain steps, 2.3% of the engine's time in one pass): it waits until
+            # that is at most `switch_budget` of the steps since the last one.
             explore = False
         if explore:
             self.since[bucket] = 0
