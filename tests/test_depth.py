@@ -150,6 +150,24 @@ def test_estimator_learns_positions_and_calibrates_confidences():
     assert est.calibrate([[0.5, 0.5, 0.5, 0.5]])[0][:2] == pytest.approx([0.8, 0.5], abs=0.02)
 
 
+def test_confidences_are_calibrated_per_bin_not_scaled():
+    """Drafts the drafter is unsure of are still often accepted: scaling confidences to the mean
+    priced them far too low (and cut them). Each confidence bin learns its own acceptance; bins a
+    position has not measured take every position's, and unmeasured bins the scaled confidence."""
+    est = AcceptanceEstimator(2)
+    for _ in range(300):  # position 0 only: 0.05-confident drafts accepted half the time, 0.95 ones always
+        est.update([1] * 4, [0, 1, 1, 1], [[0.05], [0.05], [0.95], [0.95]])
+    scale = est.scale()[0]
+    assert min(1.0, 0.05 * scale) < 0.2  # what scaling alone made of them
+    low, high = est.calibrate([[0.05, 0.05], [0.95, 0.95]])
+    assert low[0] == pytest.approx(0.5, abs=0.05) and high[0] == pytest.approx(1.0, abs=0.02)
+    assert low[1] == pytest.approx(0.5, abs=0.05)  # position 1 never verified: the pooled bin
+    assert est.calibrate([[0.45]])[0][0] == pytest.approx(min(1.0, 0.45 * scale), abs=1e-6)  # no bin data yet
+    for _ in range(300):  # position 1's own record replaces the pooled one
+        est.update([2] * 2, [2, 2], [[0.95, 0.05], [0.95, 0.05]])
+    assert est.calibrate([[0.95, 0.05]])[0][1] == pytest.approx(1.0, abs=0.05)
+
+
 def test_requests_without_drafter_confidence_are_scored_by_their_own_record():
     """n-gram drafts carry no confidence: each request's measured acceptance stands in, blended
     with the batch-wide rate, so the request whose drafts keep failing is cut first."""

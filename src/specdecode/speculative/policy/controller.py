@@ -156,7 +156,7 @@ class DepthController:
         for b, row in enumerate(tops):
             a = 1.0
             for i, top in enumerate(row):
-                a *= min(1.0, top * scale[i])
+                a *= self.estimator.calibrated(i, top, scale[i])
                 tau += a
             width += len(row)
             survival[b] = a

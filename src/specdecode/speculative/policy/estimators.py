@@ -51,15 +51,28 @@ class AcceptanceEstimator:
     of the deepest observed one (a prior of its own would trap auto-k at short drafts).
     """
 
-    def __init__(self, k: int, prior: float = 0.5, decay: float = 0.95):
+    def __init__(self, k: int, prior: float = 0.5, decay: float = 0.95, bins: int = 10, bin_decay: float = 0.99,
+                 bin_prior: float = 4.0):
         self.rate = [prior] * k  # [k]
         self.observed = [False] * k
         self.mean_confidence = [None] * k  # [k] EMA of the drafter's confidence at position i
         self.decay = decay
+        # Per confidence bin (equal widths over [0, 1]) of each position, and of all positions pooled:
+        # decayed sums [accepted, reached] (`calibrated`).
+        self.bins, self.bin_decay, self.bin_prior = bins, bin_decay, bin_prior
+        self.binned = [[[0.0, 0.0] for _ in range(bins)] for _ in range(k)]
+        self.pooled = [[0.0, 0.0] for _ in range(bins)]
 
     def update(self, num_draft: list[int], num_accepted: list[int], confidence: list[list[float]] | None = None) -> None:
         if max(num_draft, default=0) == 0:
             return  # a plain step says nothing about acceptance
+        if confidence is not None:
+            for b, (n, a) in enumerate(zip(num_draft, num_accepted)):
+                for i in range(min(n, a + 1)):  # the positions verification reached
+                    j = self._bin(confidence[b][i])
+                    for sums in (self.binned[i][j], self.pooled[j]):
+                        sums[0] = self.bin_decay * sums[0] + (i < a)
+                        sums[1] = self.bin_decay * sums[1] + 1.0
         for i in range(len(self.rate)):
             rows = [b for b, (n, a) in enumerate(zip(num_draft, num_accepted)) if n > i and a >= i]
             if not rows:
@@ -104,8 +117,25 @@ class AcceptanceEstimator:
         """Per position: measured acceptance / the drafter's mean confidence there."""
         return [r / c if c else 1.0 for r, c in zip(self.rate, self.mean_confidence)]
 
+    def _bin(self, x: float) -> int:
+        return min(self.bins - 1, max(0, int(x * self.bins)))
+
+    def calibrated(self, i: int, x: float, scale: float) -> float:
+        """P(a draft at position i with confidence x is accepted | position i reached): the measured
+        acceptance of position i's drafts in x's confidence bin, over a prior worth `bin_prior`
+        drafts: the bin's acceptance over every position, itself over the confidence scaled to
+        position i's mean (`scale`). Scaling alone was far off: EAGLE-3's top probabilities below 0.1
+        were accepted 44-61% of the time where scaling priced them at 0.11, and a mean acceptance of
+        0.70-0.81 per position came out as 0.51-0.63 after clipping at 1 (HumanEval, 3,596 drafts).
+        The pooled bins matter because D-Cut verifies deep positions mostly where confidence is
+        high; position 0, always verified, fills them for every confidence."""
+        j = self._bin(x)
+        pooled_accepted, pooled_reached = self.pooled[j]
+        prior = (pooled_accepted + self.bin_prior * min(1.0, x * scale)) / (pooled_reached + self.bin_prior)
+        accepted, reached = self.binned[i][j]
+        return (accepted + self.bin_prior * prior) / (reached + self.bin_prior)
+
     def calibrate(self, confidence: list[list[float]]) -> list[list[float]]:
-        """Rescale a drafter's confidences so their mean per position matches the measured
-        acceptance there (top probabilities are typically underconfident for greedy)."""
+        """A drafter's confidences as acceptance probabilities per position (`calibrated`)."""
         scale = self.scale()
-        return [[min(1.0, x * scale[i]) for i, x in enumerate(row)] for row in confidence]
+        return [[self.calibrated(i, x, scale[i]) for i, x in enumerate(row)] for row in confidence]
