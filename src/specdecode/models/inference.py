@@ -26,6 +26,7 @@ from torch import nn
 
 from specdecode.kernels import build, gemv_cpu, gemv_int4_cpu, gemv_int8_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
+from specdecode.models.weight_layout import lay_out_in_forward_order
 
 log = logging.getLogger(__name__)
 
@@ -287,8 +288,10 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
             if isinstance(layer, QuantizedLinear) and not layer.is_view:
                 layer.prepare(dtype)
         attach_few_row_kernels(module, dtype)
+        lay_out_in_forward_order(module)
         return module
     if can_pack(dtype, device):
         module = pack_linears(module)
         attach_few_row_kernels(module, dtype)
+        lay_out_in_forward_order(module)
     return module
