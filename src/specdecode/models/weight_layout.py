@@ -6,14 +6,17 @@ shape: every layer's qkv block, then every o_proj block, and so on. A one-token 
 jumps across the heap from layer to layer, and where the allocator puts each block depends on
 what the process allocated before (a second engine's blocks fill the first one's freed holes).
 Measured on the default model, bf16, one-token forwards of two engines in one process in
-interleaved blocks: the engine built first 1.09-1.10x slower than the one built second (the
-slowness followed the model when the two runners swapped models, not the KV cache), and a model
-whose blocks were copied into one buffer in forward order 1.05x faster than the second and
-1.17-1.26x faster than the first, whatever the blocks' alignment (64 bytes to 64 KiB).
+interleaved blocks: the engine built first 1.09-1.21x slower than the one built second (the
+slowness followed the model when the two runners swapped models, not the KV cache). Its blocks
+copied into one buffer in forward order later in the process: 1.01-1.04x the second's time,
+whatever the blocks' alignment (64 bytes to 64 KiB); copied at its load: still 1.05-1.26x, unless
+the buffer sits on transparent huge pages (1.01-1.04x, and 0.92x against a second engine not
+laid out). The bench's second plain engine read 1.16-1.18x the first before, 0.99-1.02x after.
 
-So, once a model's kernel tensors exist, `lay_out_in_forward_order` copies them into one buffer,
-layer by layer in module order (a decoder's modules register in the order its forward runs them),
-and points the layers at the copies. Plain copies: every kernel computes bit-identical results.
+So, once a model's kernel tensors exist, `lay_out_in_forward_order` copies them into one buffer on
+huge pages, layer by layer in module order (a decoder's modules register in the order its forward
+runs them), and points the layers at the copies. Plain copies: every kernel computes bit-identical
+results.
 Registered parameters and buffers (the checkpoint's tensors, `state_dict`) are left alone, and
 so are oneDNN's opaque packed weights, which cannot be viewed into a buffer.
 """
