@@ -24,6 +24,7 @@ so are oneDNN's opaque packed weights, which cannot be viewed into a buffer.
 from __future__ import annotations
 
 import ctypes
+import sys
 
 import torch
 from torch import nn
@@ -82,11 +83,12 @@ def _huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, int]:
     buffer = torch.empty(nbytes + 2 * HUGE_PAGE, dtype=torch.uint8)
     start = -buffer.data_ptr() % HUGE_PAGE
     length = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(buffer.data_ptr() + start), ctypes.c_size_t(length), MADV_HUGEPAGE)
-    except (OSError, AttributeError):
-        pass  # no madvise here: ordinary pages, the same numbers
+    if sys.platform.startswith("linux"):  # MADV_HUGEPAGE's value is Linux's
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(buffer.data_ptr() + start), ctypes.c_size_t(length), MADV_HUGEPAGE)
+        except (OSError, AttributeError):
+            pass  # no madvise here: ordinary pages, the same numbers
     return buffer, start
 
 
