@@ -56,6 +56,6 @@ def test_serving_block_pass_equals_the_training_pass(native_model, trained_draft
     raw = torch.cat([taps[i] for i in proposer.drafter.cfg.target_layer_ids], dim=-1)[0]
     # Committed tokens x_0 .. x_anchor; the target has processed positions 0 .. anchor - 1.
     seq = Sequence("t", None, window[0, : anchor + 1].tolist(), SamplingParams(), (0,), max_len=256, slot=0)
-    proposer._states[seq.request_id] = FeatureState(0, [raw[:anchor]])
+    proposer._states[seq.request_id] = FeatureState(0, [(raw[None], 0, anchor)])
     served = proposer.block_pass([seq], [0])[0, 1:]  # block positions 1 .. B-1
     torch.testing.assert_close(served, hidden[0], atol=1e-4, rtol=1e-4)

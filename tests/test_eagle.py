@@ -90,7 +90,7 @@ def test_serving_catch_up_equals_the_training_step(native_model, trained_drafter
     raw = proposer.drafter.raw_features(out.hidden, out.taps, proposer.drafter.cfg.aux_layers)[0]
     n = 8  # committed tokens x_0 .. x_7; the target has processed positions 0 .. 6
     seq = Sequence("t", None, window[0, :n].tolist(), SamplingParams(), (0,), max_len=256, slot=0)
-    proposer._states[seq.request_id] = FeatureState(0, [raw[: n - 1]])
+    proposer._states[seq.request_id] = FeatureState(0, [(raw[None], 0, n - 1)])
     first = proposer._catch_up([seq], [0])[0]
     served = proposer._forward_last([first[0]], [first[1]])[0]
     torch.testing.assert_close(served, o[0, n - 2], atol=1e-4, rtol=1e-4)

@@ -79,6 +79,9 @@ class Speculator:
             self.depth.cost  # profile now, before any request owns a KV slot
         self.k = config.num_speculative_tokens
         self.vocab_size = runner.model.config.vocab_size
+        # Per batch size, the empty draft of a step nobody drafts in, made once: nothing writes into
+        # a Draft's tensors, and two tensor allocations were a fifth of such a step's host work.
+        self._empty_drafts: dict[int, Draft] = {}
 
     @property
     def hidden_taps(self) -> tuple[int, ...]:
@@ -162,7 +165,7 @@ class Speculator:
         seconds = time.perf_counter() - t0
         num_draft = [0] * len(seqs)
         self.depth.update(plan, seqs, num_draft, num_accepted, 0.0, 0, None, seconds)
-        self.proposer.on_commit(seqs, Draft.empty(len(seqs), self.target.device), verified, result)
+        self.proposer.on_commit(seqs, self._empty_draft(len(seqs)), verified, result)
         return StepOutput(seqs, [list(row) for row in tokens], [1] * len(seqs), num_draft=num_draft,
                           num_accepted=list(num_accepted), draft_seconds=0.0, verify_seconds=seconds, logprobs=logprobs)
 
@@ -172,7 +175,14 @@ class Speculator:
         skip_uniform_draws(self.k, sampling.generators, self.target.device)
         final = sample(logits, sampling)
         host = final.tolist()
-        return Verified(final[:, None], torch.zeros_like(final), _host=([[t] for t in host], [0] * len(host)))
+        zeros = self._empty_draft(len(host)).num_tokens  # [B] int64 zeros, shared (read-only)
+        return Verified(final[:, None], zeros, _host=([[t] for t in host], [0] * len(host)))
+
+    def _empty_draft(self, batch_size: int) -> Draft:
+        draft = self._empty_drafts.get(batch_size)
+        if draft is None:
+            draft = self._empty_drafts[batch_size] = Draft.empty(batch_size, self.target.device)
+        return draft
 
     def _position_rows(self, sampling: SamplingBatch, token_ids: torch.Tensor, parents: torch.Tensor | None,
                        grammar: RowMasks | None) -> SamplingBatch | None:

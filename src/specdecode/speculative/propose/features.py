@@ -3,9 +3,11 @@
 Drafters that read the target's hidden states (EAGLE family, DFlash, DSpark) get them from
 the target forwards the engine runs anyway: the prefill (every prompt position) and each
 verify (the last committed token and the accepted drafts, or the accepted tree path). The
-features wait in the request's `FeatureState` as a list of [T_i, *] chunks, concatenated
-once when the next proposal consumes them: a step that does not draft pays one slice per
-sequence, not a copy of everything pending.
+features wait in the request's `FeatureState` as a list of chunks, each a row of one forward's
+features and which of its positions count, sliced and concatenated once when the next
+proposal consumes them: a step that does not draft appends one tuple per sequence (a tensor
+slice per sequence and step measured ~5 us each in the engine, most of a feature drafter's
+extra host work per step at 16 in flight while its policy declined to draft).
 
 Drafter position t takes (token t+1, feature t), so of a sequence of N tokens the positions
 0 .. N-2 can be consumed: `num_cached` counts those held in the drafter's own cache.
@@ -23,7 +25,9 @@ from specdecode.speculative.propose.proposer import ProposerBase
 @dataclasses.dataclass(slots=True)
 class FeatureState:
     num_cached: int = 0  # drafter positions 0 .. num_cached-1 are in the drafter's cache
-    features: list[torch.Tensor] = dataclasses.field(default_factory=list)  # [T_i, *] raw features of later positions
+    # Raw features of later positions, in order: (raw [B, T, *] of one forward, row b, positions:
+    # the first n (an int) or these indices (a list)).
+    features: list[tuple[torch.Tensor, int, int | list[int]]] = dataclasses.field(default_factory=list)
     # Recorded by `take_pending` in this step's proposal, applied by `on_commit` (dropped by
     # `rollback`): (the first `taken_chunks` chunks of `features` were consumed, num_cached then).
     taken: tuple[int, int] | None = None
@@ -39,19 +43,15 @@ class TargetFeatureBuffer(ProposerBase[FeatureState]):
     def on_prefill(self, seqs, result) -> None:
         raw = self.target_features(result)
         for b, seq in enumerate(seqs):
-            self._states[seq.request_id] = FeatureState(0, [raw[b, : len(seq.prompt_token_ids)]])
+            self._states[seq.request_id] = FeatureState(0, [(raw, b, len(seq.prompt_token_ids))])
 
     def on_commit(self, seqs, draft, verified, result) -> None:
         raw = self.target_features(result)
         accepted = verified.host()[1]
         path = verified.path.tolist() if verified.path is not None else None
-        new = []
-        for b in range(len(seqs)):
-            # The last committed token and the accepted drafts (tree: the nodes along the path).
-            if path is None:
-                new.append(raw[b, : 1 + accepted[b]])  # a view: chains accept a prefix
-            else:
-                new.append(raw[b, [0] + [1 + i for i in path[b][: accepted[b]]]])
+        # The last committed token and the accepted drafts (tree: the nodes along the path).
+        new = [(raw, b, 1 + a) if path is None else (raw, b, [0] + [1 + i for i in path[b][:a]])
+               for b, a in enumerate(accepted)]
         for seq, features in zip(seqs, new):  # nothing above changed any state
             state = self.state(seq)
             if state.taken is not None:
@@ -74,6 +74,7 @@ class TargetFeatureBuffer(ProposerBase[FeatureState]):
         """(first position not consumed, its features .. position N-2). They count as consumed
         once the step commits (`on_commit`); a step that fails leaves them pending."""
         state = self.state(seq)
-        chunks = state.features
+        chunks = [raw[b, :positions] if isinstance(positions, int) else raw[b, positions]
+                  for raw, b, positions in state.features]
         state.taken = (len(chunks), seq.num_tokens - 1)
         return state.num_cached, chunks[0] if len(chunks) == 1 else torch.cat(chunks)
