@@ -106,7 +106,8 @@ def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters,
     monkeypatch.setattr(kernel_probe, "faster_by_width", lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
     monkeypatch.setattr(kernel_probe, "load_choices", dict)
     monkeypatch.setattr(kernel_probe, "save_choices", lambda cached: None)
-    spec = {"method": method, "num_speculative_tokens": 3, "model": str(lean_drafters[method])}
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(lean_drafters[method]),
+            "draft_quantization": quantization or "none"}  # bf16: the drafter's layers too (not its w4a8 default)
     llm = LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ours = _drafting(llm, [PROMPT], params)

@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from specdecode import LLM, SamplingParams
 from specdecode.defaults import default_model_dir, models_dir
 from specdecode.errors import ConfigError
+from specdecode.kernels import gemm_a8_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme
 from specdecode.speculative.config import SpeculativeConfig
 from specdecode.train.drafter import DrafterTrainConfig, train_drafter
@@ -217,3 +218,29 @@ def test_a_checkpoint_storing_its_layers_quantised_serves_exactly_the_latent_one
     for name, weight in linears.items():
         expected = QuantizedLinear.from_weight(weight.to(torch.bfloat16).float(), None, INT4).dequantize()
         assert torch.equal(dense[f"{name}.weight"], expected)
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp", "draft_model"])
+def test_a_bf16_target_drafts_with_w4a8_drafters_where_the_kernels_are_built(lean_model, lean_drafters, method):
+    """Beside a full-precision bf16 target the drafter's own layers default to w4a8 (int8
+    activations: faster drafting here); "none" keeps them bf16, a float32 target keeps them float32,
+    and the outputs are plain decoding's either way."""
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the w4a8 kernels need AVX-512 VNNI")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 4]}, {"prompt_token_ids": [7, 8, 9, 10, 11]}]
+
+    def own_schemes(llm: LLM) -> set:
+        proposer = llm.speculator.proposer
+        drafter = next(getattr(proposer, name) for name in ("drafter", "model") if hasattr(proposer, name))
+        return {m.scheme.name for m in drafter.modules() if isinstance(m, QuantizedLinear) and not m.is_view}
+
+    for dtype, draft_quantization, schemes in (("bfloat16", None, {"w4a8"}), ("bfloat16", "none", set()),
+                                               ("float32", None, set())):
+        spec = {"method": method, "model": str(lean_drafters[method]), "num_speculative_tokens": 3}
+        if draft_quantization:
+            spec["draft_quantization"] = draft_quantization
+        llm = LLM(lean_model, dtype=dtype, speculative_config=spec)
+        assert own_schemes(llm) == schemes
+        plain = LLM(lean_model, dtype=dtype).generate(prompts, params)
+        assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
