@@ -132,6 +132,43 @@ def test_drafter_catch_up_is_priced_and_amortised():
     assert depth.draft_cost.per_step == ratio
 
 
+def test_a_catch_up_is_priced_by_what_catch_ups_measured():
+    """The drafter's decode-step share of the target's forward priced a prompt's catch-up 4-6x
+    too dear (traced: EAGLE-3 at batch 1); a proposal that caught up teaches the cost per token."""
+    cost = CostModel({1: {1: 0.010, 5: 0.011, 32: 0.040}, 4: {1: 0.020, 5: 0.024, 32: 0.100}}, 128)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
+
+    class Seq:
+        room = 10_000
+
+    depth = DepthController(config, lambda: cost, draft_cost_prior=0.3)
+    prior = depth.catch_up_time([205])  # 200 tokens beyond a step's worth
+    assert depth.catch_up_tokens([205, 3]) == 200 and prior > 0
+    plan = depth.plan([Seq()], [205])
+    assert plan.catching_up and plan.catch_up_tokens == 200
+    # Drafting 4 deep is priced 0.3 x 4 = 1.2 steps of 10 ms; the proposal took that and 0.2 ms per token caught up.
+    depth.update(plan, [Seq()], [4], [2], draft_seconds=0.012 + 200 * 0.0002, num_draft_steps=4)
+    assert depth.catch_up_cost.per_token == pytest.approx(0.02, rel=0.05)  # 0.2 ms a token, in 10 ms steps
+    assert depth.catch_up_time([205]) == pytest.approx(200 * 0.0002, rel=0.05)
+    assert depth.catch_up_time([205]) < prior
+    # At batch 4 in that run's units (a batch-4 step is 20 ms): the same seconds per token.
+    plan4 = depth.plan([Seq()] * 4, [55] * 4)
+    depth.update(plan4, [Seq()] * 4, [4] * 4, [2] * 4, draft_seconds=4 * 0.3 * 0.020 + 200 * 0.0002, num_draft_steps=4)
+    assert depth.catch_up_time([55] * 4) == pytest.approx(200 * 0.0002, rel=0.05)
+
+
+def test_a_probe_waits_for_its_catch_up_at_most_max_wait_decisions():
+    """A catch-up priced above the budget per token grows as fast as the wait for it: without a
+    bound a guard whose drafting once measured slower never measured it again."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1, max_wait=200)
+    guard.observe(1, drafted=True, tokens=2, seconds=0.010)
+    guard.observe(1, drafted=False, tokens=1, seconds=0.004)  # drafting loses
+    drafted = [i for i in range(1, 301) if guard.choose(1, 4, switch_steps=0.05 * (i + 100)) > 0]
+    assert drafted[:4] == [200, 201, 202, 203]
+
+
 def test_auto_k_explores_at_batch_1_before_any_measurement():
     """A fresh controller must draft at batch 1 (where drafting usually pays) to learn acceptance at all."""
     cost = CostModel({1: {1: 0.010, 5: 0.012}, 64: {1: 0.064, 5: 0.250}}, 128)  # batch 1 memory-bound, 64 compute-bound

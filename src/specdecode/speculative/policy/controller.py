@@ -26,7 +26,7 @@ import dataclasses
 from specdecode.engine.sequence import Sequence
 from specdecode.speculative.config import SpeculativeConfig
 from specdecode.speculative.policy.cost_model import LiveCost
-from specdecode.speculative.policy.estimators import AcceptanceEstimator, DraftCost
+from specdecode.speculative.policy.estimators import AcceptanceEstimator, CatchUpCost, DraftCost
 from specdecode.speculative.policy.guard import MeasuredGuard
 from specdecode.speculative.policy.rules import auto_k, dcut_lengths
 from specdecode.speculative.propose.proposer import DraftStop
@@ -40,6 +40,7 @@ class StepPlan:
     # The drafter consumes a catch-up (committed tokens beyond a step's worth) before drafting:
     # this step's drafting time is a one-time cost, not what a drafting step costs.
     catching_up: bool = False
+    catch_up_tokens: int = 0  # when catching up: the committed tokens beyond a step's worth it consumes
     prune_while_drafting: bool = False  # D-Cut stops unpromising rows while drafting (not on a guard probe)
 
     @property
@@ -68,6 +69,7 @@ class DepthController:
         # prior holds: assuming drafting is free would make the first step at a large batch
         # draft (and catch the drafter up) for nothing.
         self.draft_cost = DraftCost(draft_cost_prior)
+        self.catch_up_cost = CatchUpCost()
         # Only D-Cut recalibrates drafter confidences against acceptance; otherwise the speculator
         # skips copying them to the host every step.
         self.tracks_confidence = self.pruning == "dcut"
@@ -92,12 +94,14 @@ class DepthController:
         commits accepted + 1 tokens, so at most room - 1 drafts are useful). `pending[b]`: the
         committed tokens the drafter must consume before drafting for sequence b."""
         catching_up = prune = False
+        extra = 0
         if (self.schedule == "auto" or self.pruning == "dcut") and self.guard.declines(len(seqs)):
             per_seq = [self.guard.choose(len(seqs), 0)] * len(seqs)  # 0: nothing to price
         elif self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
             B = len(seqs)
             remaining = sum(seq.room for seq in seqs) / B
             catch_up = self.catch_up_time(pending)
+            extra = self.catch_up_tokens(pending)
             step = self.cost.step_time(B, B)
             k = auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up, remaining,
                        draft_fixed=self.draft_cost.fixed * step)
@@ -110,7 +114,8 @@ class DepthController:
             per_seq = [self.schedule_k.get(seq.request_id, self.k) for seq in seqs]
         else:
             per_seq = [self.k] * len(seqs)
-        return StepPlan([max(0, min(k, seq.room - 1)) for k, seq in zip(per_seq, seqs)], catching_up, prune)
+        return StepPlan([max(0, min(k, seq.room - 1)) for k, seq in zip(per_seq, seqs)], catching_up,
+                        extra if catching_up else 0, prune)
 
     def draft_stop(self, plan: StepPlan) -> DraftStop | None:
         """The stop rule chain drafters apply after each drafter step this step (None: draft to the limit)."""
@@ -178,14 +183,21 @@ class DepthController:
                     best_rate, best_m = rate, m
         return sorted(order[:best_m])
 
+    def catch_up_tokens(self, pending: list[int]) -> int:
+        """Committed tokens the drafter must consume beyond a step's worth (<= k + 1 per sequence,
+        part of a measured draft step already) before its first draft."""
+        return sum(max(0, n - (self.k + 1)) for n in pending)
+
     def catch_up_time(self, pending: list[int]) -> float:
         """Expected seconds the drafter spends, before its first draft, on committed tokens it
         has not seen beyond a step's worth (the prompt the first time, or every token decoded
-        while drafting was off). A step's worth (<= k + 1 per sequence) is part of the measured
-        draft step already."""
-        extra = sum(max(0, n - (self.k + 1)) for n in pending)
+        while drafting was off): measured per token (`CatchUpCost`), else the drafter's share of
+        the target's forward over them."""
+        extra = self.catch_up_tokens(pending)
         if extra == 0:
             return 0.0
+        if self.catch_up_cost.per_token is not None:
+            return self.catch_up_cost.per_token * extra * self.cost.step_time(1, 1)
         B = len(pending)
         return self.draft_cost.per_step * max(0.0, self.cost.step_time(B, B + extra) - self.cost.step_time(B, B))
 
@@ -209,8 +221,14 @@ class DepthController:
             # drafting was measured froze drafting off for thousands of steps of a faster machine.
             speed = self._cost.factor(len(seqs)) if self._cost is not None else 1.0
             self.guard.observe(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds / speed)
-        if num_draft_steps and self._cost is not None and not plan.catching_up:
-            self.draft_cost.observe(num_draft_steps, draft_seconds / self._cost.step_time(len(seqs), len(seqs)))
+        if num_draft_steps and self._cost is not None:
+            units = draft_seconds / self._cost.step_time(len(seqs), len(seqs))
+            if not plan.catching_up:
+                self.draft_cost.observe(num_draft_steps, units)
+            else:  # what the proposal took beyond its drafting, per token caught up on, in batch-1 steps
+                own = self.draft_cost.fixed + self.draft_cost.per_step * num_draft_steps
+                scale = self._cost.step_time(len(seqs), len(seqs)) / self._cost.step_time(1, 1)
+                self.catch_up_cost.observe(plan.catch_up_tokens, (units - own) * scale)
         if step_seconds is not None and self._cost is not None:
             self._cost.observe(len(seqs), len(seqs) + sum(num_draft), step_seconds - draft_seconds)
         if self.schedule != "heuristic":

@@ -41,6 +41,28 @@ class DraftCost:
         self.fixed = mean_y - self.per_step * mean_n
 
 
+class CatchUpCost:
+    """What the drafter's catch-up costs per committed token it consumes beyond a step's worth (a
+    prompt the first time, every token decoded while drafting was off), in units of the target's
+    one-token step at batch 1: measured on proposals that caught up, as their drafting time beyond
+    what `DraftCost` prices a proposal of their depth. Until one is measured, `DepthController`
+    prices a catch-up as the drafter's decode-step share of the target's forward over those tokens,
+    which read 4-6x too dear (traced, EAGLE-3 at batch 1: 6.2 plain steps for a prompt's catch-up),
+    and the guard, which waits until a drafting probe's catch-up is 3% of the steps since the
+    last one, then waited as long as the request lasted."""
+
+    def __init__(self, weight: float = 0.2):
+        self.per_token: float | None = None
+        self.weight = weight
+
+    def observe(self, tokens: int, excess: float) -> None:
+        """A catch-up over `tokens` took `excess` units beyond the proposal's own drafting."""
+        if tokens <= 0:
+            return
+        sample = max(0.0, excess) / tokens
+        self.per_token = sample if self.per_token is None else (1 - self.weight) * self.per_token + self.weight * sample
+
+
 class AcceptanceEstimator:
     """Online per-position acceptance: EMA of P(position i accepted | earlier accepted), and
     of the drafter's mean confidence there (for recalibrating confidences).

@@ -36,12 +36,15 @@ class MeasuredGuard:
 
     def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 4, weight: float = 0.05,
                  margin: float = 0.97, max_interval: int = 1024, burst: int = 4, first_explore: int = 4,
-                 min_samples: int = 4, switch_budget: float = 0.03):
+                 min_samples: int = 4, switch_budget: float = 0.03, max_wait: int = 2048):
         self.k_max = k_max
         # Steps per re-measurement of the other arm: its first pays the switch (a drafter catch-up,
         # caches cold for the other model) and is not measured (DepthController.update).
         self.burst = burst
         self.switch_budget = switch_budget
+        # The most decisions an exploration waits for its catch-up to fit the budget: a catch-up priced
+        # above the budget per token (it grows with the steps it waits) would otherwise wait forever.
+        self.max_wait = max_wait
         self.burst_left: dict[int, int] = {}
         self.burst_drafts: dict[int, bool] = {}  # bucket -> whether the burst in progress drafts
         self.verdict: dict[int, bool | None] = {}  # bucket -> `loses` at the last exploration
@@ -94,7 +97,7 @@ class MeasuredGuard:
         if not measured:
             interval = min(interval, self.first_explore)
         explore = since >= interval
-        if explore and (loses or k == 0) and switch_steps > self.switch_budget * since:
+        if explore and (loses or k == 0) and switch_steps > self.switch_budget * since and since < self.max_wait:
             # A re-measurement of drafting that loses, or an acceptance probe, pays the drafter's
             # catch-up over everything decoded since drafting stopped (traced: EAGLE-3 at batch 4,
             # 30 ms a probe, 11 plain steps, 2.3% of the engine's time in one pass): it waits until
