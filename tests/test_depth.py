@@ -347,14 +347,16 @@ def test_measured_guard_stops_drafting_where_it_measures_slower():
     # The rest of the plain burst that started at decision 4, then plain; drafting re-measured
     # for a burst of 4 once 4 decisions have passed since the last burst ended.
     assert [guard.choose(16, 3) for _ in range(8)] == [0, 0, 0, 0, 0, 0, 3, 3]
-    assert [guard.choose(16, 0) for _ in range(4)] == [0, 0, 0, 0]  # no acceptance probe before the next exploration
+    # The drafting burst's last two steps (at full depth where the model now says 0), then no re-measurement
+    # before the next exploration.
+    assert [guard.choose(16, 0) for _ in range(4)] == [4, 4, 0, 0]
     assert guard.choose(1, 3) == 3  # another batch-size bucket has its own measurements
     for _ in range(50):
         guard.observe(16, drafted=True, tokens=60, seconds=0.040)  # drafting got better: 1500 tok/s
     assert [guard.choose(16, 3) for _ in range(3)] == [3, 3, 3]
-    # Where drafting pays, a declined step drafts one token now and then (acceptance is only
-    # measured where drafts are verified), and drafting steps sometimes go one position deeper.
-    assert [guard.choose(16, 0) for _ in range(5)] == [0, 0, 1, 0, 0]  # decisions 24..28 of this bucket
+    # Where drafting pays, a declined step drafts a burst at full depth now and then (acceptance is
+    # only measured where drafts are verified), and drafting steps sometimes go one position deeper.
+    assert [guard.choose(16, 0) for _ in range(5)] == [0, 0, 4, 4, 4]  # decisions 24..28 of this bucket
     probing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=4, first_explore=1000)
     assert [probing.choose(1, 2) for _ in range(8)] == [2, 3, 2, 2, 2, 3, 2, 2]
     assert [probing.choose(1, 4) for _ in range(4)] == [4, 4, 4, 4]  # never beyond the configured k
@@ -401,16 +403,17 @@ def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
         4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
     dear = losing_guard()  # a catch-up worth 3 plain steps: the burst starts 100 decisions in
     assert [i for i in range(1, 121) if dear.choose(4, 2, switch_steps=3.0) > 0] == [100, 101, 102, 103]
-    probe = losing_guard()  # the model declined: its one-token acceptance probe waits the same way
-    assert [i for i in range(1, 201) if probe.choose(4, 0, switch_steps=3.0) > 0] == [100, 200]
+    probe = losing_guard()  # the model declined: its re-measurement waits the same way
+    assert [i for i in range(1, 201) if probe.choose(4, 0, switch_steps=3.0) > 0] == [100, 101, 102, 103]
     declining = losing_guard()
     assert [declining.declines(4) for _ in range(3)] == [True] * 3  # asking changes nothing
     assert [(declining.declines(4), declining.choose(4, 2)) for _ in range(4)] == [(True, 0)] * 3 + [(False, 2)]
 
 
-def test_a_declined_step_probes_one_token_at_backing_off_intervals_where_drafting_lost():
-    """auto-k / D-Cut decline from the acceptance estimate; only drafted tokens refresh it, so a
-    guard that never drafted where drafting had measured slower froze both (batch 1, EAGLE-3)."""
+def test_a_declined_step_re_measures_drafting_at_backing_off_intervals_where_drafting_lost():
+    """auto-k / D-Cut decline from their estimates (acceptance per position, drafting cost); only
+    drafting refreshes them, so a guard that never drafted where drafting had measured slower froze
+    them (batch 1, EAGLE-3), and one-token probes refreshed position 0 alone: a burst at full depth."""
     from specdecode.speculative.policy.guard import MeasuredGuard
 
     guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
@@ -419,8 +422,9 @@ def test_a_declined_step_probes_one_token_at_backing_off_intervals_where_draftin
     guard.observe(1, drafted=True, tokens=1, seconds=0.030)
     guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # drafting lost at batch 1
     choices = [guard.choose(1, 0) for _ in range(60)]
-    assert [i + 1 for i, k in enumerate(choices) if k] == [4, 12, 28, 44, 60]  # intervals 4, 8, 16, 16, 16
-    assert set(choices) == {0, 1}  # a probe is one token
+    # Bursts of 4 once 4, 8, 16, 16 decisions have passed since the last one began (bursts do not count).
+    assert [i + 1 for i, k in enumerate(choices) if k] == [4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
+    assert set(choices) == {0, 4}  # at the full depth
 
 
 def test_measured_guard_needs_several_steps_per_arm():
@@ -484,9 +488,9 @@ def test_the_guard_counts_only_steps_after_a_step_of_the_same_arm():
     assert depth.guard.rate(1, False) is not None and depth.guard.rate(1, True) is None
 
 
-def test_dcut_probes_acceptance_with_one_token_where_it_declines_and_drafting_lost():
-    """Where the policy declines, the guard's one-token probe is the only refresh of the
-    acceptance estimate (D-Cut keeps every draft's first position, so it is verified)."""
+def test_dcut_re_measures_drafting_where_it_declines_and_drafting_lost():
+    """Where the policy declines, the guard's drafting bursts are the only refresh of the
+    acceptance estimate; they draft the full depth and D-Cut does not stop them early."""
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
     depth = DepthController(config, lambda: LINEAR)  # every verified token costs a whole step
     depth.guard = type(depth.guard)(4, explore_every=4, probe_every=1000, min_samples=1)
@@ -498,6 +502,7 @@ def test_dcut_probes_acceptance_with_one_token_where_it_declines_and_drafting_lo
     class Seq:
         room = 100
 
-    plans = [depth.plan([Seq()], [1]) for _ in range(12)]
-    assert [p.max_tokens[0] for p in plans] == [0, 0, 0, 1] + [0] * 7 + [1]  # probes after 4, then 8 decisions
+    plans = [depth.plan([Seq()], [1]) for _ in range(16)]
+    assert [p.max_tokens[0] for p in plans] == [0, 0, 0] + [4] * 4 + [0] * 7 + [4] * 2  # after 4, then 8 decisions
+    assert not any(p.prune_while_drafting for p in plans)
     assert depth.verify_lengths([Seq()], [1], [[0.01]]) == [1]

@@ -28,9 +28,10 @@ class MeasuredGuard:
 
     Acceptance is only measured where drafts are verified: a policy that stops drafting
     position i (or drafting at all) after a few rejections would never see it recover. So,
-    once both arms are measured, a declined step drafts one token at each exploration (backing
-    off where drafting loses), and every `probe_every`-th drafting step drafts one position
-    deeper than chosen.
+    once both arms are measured, an exploration where the policy declined drafts a burst at the
+    full depth k_max (backing off where drafting loses: it re-measures acceptance at every
+    position, the drafting cost and this arm's rate), and every `probe_every`-th drafting step
+    drafts one position deeper than chosen.
     Timing and counts are of past steps only: lossless like every other depth decision.
     """
 
@@ -86,9 +87,9 @@ class MeasuredGuard:
         would cost first (the drafter's catch-up), in plain steps of this batch."""
         bucket = batch_size.bit_length()
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
-        if k > 0 and self.burst_left.get(bucket, 0) > 0:  # the rest of a re-measurement burst, on its arm
+        if self.burst_left.get(bucket, 0) > 0 and (k > 0 or self.burst_drafts[bucket]):  # the rest of a burst
             self.burst_left[bucket] -= 1
-            return self._deeper(k, n) if self.burst_drafts[bucket] else 0
+            return self._deeper(k or self.k_max, n) if self.burst_drafts[bucket] else 0
         spec, plain = self.rate(bucket, True), self.rate(bucket, False)
         measured = spec is not None and plain is not None
         loses = measured and spec < self.margin * plain
@@ -111,12 +112,17 @@ class MeasuredGuard:
             holds = measured and self.verdict.get(bucket) == loses
             self.verdict[bucket] = loses if measured else None
             self.interval[bucket] = min(2 * interval, self.max_interval) if loses or holds else self.explore_every
-        if k == 0:  # the model declined: re-measure acceptance with one token now and then
-            # Also where drafting measured slower: the model's "no" comes from the acceptance
-            # estimate, which nothing else refreshes while nothing is drafted (traced: D-Cut with
-            # EAGLE-3 at batch 1 drafted 53 tokens in a whole run and stayed off). There the
-            # interval backs off like the re-measurements of drafting, and a probe is one token.
-            return 1 if explore and measured else 0
+        if k == 0:  # the model declined: re-measure drafting now and then, a burst at full depth
+            # Also where drafting measured slower: the model's "no" comes from its estimates (acceptance
+            # per position, drafting and catch-up cost), which nothing else refreshes while nothing is
+            # drafted (traced at batch 1: D-Cut with EAGLE-3 drafted 53 tokens in a whole run; with
+            # one-token probes, which measure position 0 alone and no drafting cost, auto-k with
+            # EAGLE-3 drafted 2 tokens in a run where fixed k=4 measured 1.26x). The interval backs
+            # off like the re-measurements of drafting.
+            if not (explore and measured):
+                return 0
+            self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, True
+            return self.k_max
         drafting = loses == explore
         if explore:  # the other arm, for `burst` steps (the interval counts from the burst's end)
             self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, drafting
