@@ -80,7 +80,8 @@ class Speculator:
         self.k = config.num_speculative_tokens
         self.vocab_size = runner.model.config.vocab_size
         # Per batch size, the empty draft of a step nobody drafts in, made once: nothing writes into
-        # a Draft's tensors, and two tensor allocations were a fifth of such a step's host work.
+        # a Draft's tensors, and its allocations were a quarter of what such a step cost beyond plain
+        # decoding (n-gram, batch 1).
         self._empty_drafts: dict[int, Draft] = {}
 
     @property
