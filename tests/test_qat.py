@@ -244,3 +244,20 @@ def test_a_bf16_target_drafts_with_w4a8_drafters_where_the_kernels_are_built(lea
         assert own_schemes(llm) == schemes
         plain = LLM(lean_model, dtype=dtype).generate(prompts, params)
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa", "dflash", "dspark"])
+def test_the_other_families_draft_w4a8_beside_a_bf16_target(native_model, trained_drafters, method):
+    """The default reaches every learned family's own layers (those whose inputs fit whole blocks
+    of 32), and their outputs stay plain decoding's."""
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the w4a8 kernels need AVX-512 VNNI")
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 17, 99, 4]}, {"prompt_token_ids": [7, 8, 9, 10, 11]}]
+    spec = {"method": method, "model": str(trained_drafters[method]), "num_speculative_tokens": 3}
+    llm = LLM(native_model, dtype="bfloat16", speculative_config=spec)
+    proposer = llm.speculator.proposer
+    drafter = next(getattr(proposer, name) for name in ("drafter", "model", "heads") if hasattr(proposer, name))
+    assert {m.scheme.name for m in drafter.modules() if isinstance(m, QuantizedLinear) and not m.is_view} == {"w4a8"}
+    plain = LLM(native_model, dtype="bfloat16").generate(prompts, params)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]

@@ -100,8 +100,8 @@ class DepthController:
         elif self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
             B = len(seqs)
             remaining = sum(seq.room for seq in seqs) / B
-            catch_up = self.catch_up_time(pending)
             extra = self.catch_up_tokens(pending)
+            catch_up = self._catch_up_seconds(extra, B)
             step = self.cost.step_time(B, B)
             k = auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up, remaining,
                        draft_fixed=self.draft_cost.fixed * step)
@@ -193,12 +193,14 @@ class DepthController:
         has not seen beyond a step's worth (the prompt the first time, or every token decoded
         while drafting was off): measured per token (`CatchUpCost`), else the drafter's share of
         the target's forward over them."""
-        extra = self.catch_up_tokens(pending)
+        return self._catch_up_seconds(self.catch_up_tokens(pending), len(pending))
+
+    def _catch_up_seconds(self, extra: int, B: int) -> float:
+        """`catch_up_time` of `extra` tokens beyond a step's worth over B sequences."""
         if extra == 0:
             return 0.0
         if self.catch_up_cost.per_token is not None:
             return self.catch_up_cost.per_token * extra * self.cost.step_time(1, 1)
-        B = len(pending)
         return self.draft_cost.per_step * max(0.0, self.cost.step_time(B, B + extra) - self.cost.step_time(B, B))
 
     def draft_step_time(self, batch_size: int) -> float:
