@@ -71,3 +71,54 @@ def test_a_kernel_build_is_named_by_its_headers_too(tmp_path):
     assert build.source_digest(tmp_path / "k.cpp") != before
     shipped = Path(build.__file__).with_name("decode_stack_cpu.cpp")
     assert {p.name for p in build.local_includes(shipped)} == {"rms_norm.h", "a8_gemm.h", "bf16_gemm.h", "cached_attention.h"}
+
+
+def _hold_build_lock(build_dir: Path):
+    """A second process that takes `build_dir`'s build lock and keeps it until killed."""
+    import subprocess
+    import sys
+    code = ("import fcntl, sys, time; f = open(sys.argv[1], 'a'); fcntl.flock(f, fcntl.LOCK_EX); "
+            "print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", code, str(build_dir / "build.lock")], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file locks")
+def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path, caplog):
+    # PyTorch's plain `lock` file, left by a build killed midway, made every later load wait forever.
+    (tmp_path / "lock").touch()
+    with caplog.at_level("WARNING"), build.build_lock(tmp_path, "test_kernel", timeout_s=5):
+        assert not (tmp_path / "lock").exists()
+    assert "interrupted build" in caplog.text
+    # A holder killed while holding the lock releases it with its death: the next load goes on.
+    holder = _hold_build_lock(tmp_path)
+    with pytest.raises(TimeoutError, match="test_kernel kernel's build lock"):
+        with build.build_lock(tmp_path, "test_kernel", timeout_s=0.3):
+            pass
+    holder.kill()
+    holder.wait()
+    with build.build_lock(tmp_path, "test_kernel", timeout_s=5):
+        pass
+
+
+def test_a_kernel_loads_under_the_build_lock_in_a_folder_per_torch_install(tmp_path, monkeypatch):
+    import torch.utils.cpp_extension
+
+    source = tmp_path / "k.cpp"
+    source.write_text("int f() { return 1; }\n")
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "cache"))
+    loaded = {}
+
+    def fake_load(name, sources, build_directory, **kwargs):
+        folder = Path(build_directory)
+        loaded["folder"] = folder
+        if os.name == "posix":  # the build lock is held during the load
+            import fcntl
+            with open(folder / "build.lock", "a") as other, pytest.raises(BlockingIOError):
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return "module"
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
+    assert build.load_extension.__wrapped__("k", source) == "module"
+    assert loaded["folder"].name.endswith(f"_{build.cpu_fingerprint()}_{build.torch_install_digest()}")

@@ -1,16 +1,20 @@
-"""Compiling the C++ kernels on first use, with PyTorch's extension builder, cached per source
-and CPU under $SPECDECODE_CACHE/extensions (a C++ compiler and ninja are needed, as for
-`torch.compile` on a CPU; about 30 s once)."""
+"""Compiling the C++ kernels on first use, with PyTorch's extension builder, cached per source,
+CPU and PyTorch install under $SPECDECODE_CACHE/extensions (a C++ compiler and ninja are needed,
+as for `torch.compile` on a CPU; about 30 s once)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
+import logging
 import os
 import platform
 import re
 import shutil
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -68,6 +72,53 @@ def source_digest(source: Path) -> str:
     return hashlib.sha256(text + " ".join(_compile_flags()).encode()).hexdigest()[:10]
 
 
+def torch_install_digest() -> str:
+    """Part of a build's name: the PyTorch install compiled against. Its headers' paths are in the
+    build's commands, so two environments sharing one cache would otherwise rebuild each other's
+    kernels whenever they alternate."""
+    return hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:6]
+
+
+BUILD_LOCK_TIMEOUT_S = 900.0  # a build takes 30-60 s; a holder this slow is stuck, not building
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path, name: str, timeout_s: float = BUILD_LOCK_TIMEOUT_S) -> Iterator[None]:
+    """One process at a time builds or loads a kernel in `build_dir`, under an OS file lock that dies
+    with its holder. PyTorch's own lock is a plain file: a build killed midway (Ctrl-C on a first
+    load, a killed job) leaves it behind and every later load waits on it forever. Under this lock
+    no other process of ours can be building, so such a file is stale and is removed."""
+    try:
+        import fcntl
+    except ImportError:  # no POSIX file locks (Windows): PyTorch's own lock alone
+        yield
+        return
+    log = logging.getLogger(__name__)
+    with open(build_dir / "build.lock", "a") as handle:
+        started = next_report = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                now = time.monotonic()
+                if now - started > timeout_s:
+                    raise TimeoutError(f"another process has held the {name} kernel's build lock for "
+                                       f"{now - started:.0f} s ({build_dir / 'build.lock'})") from None
+                if now >= next_report:
+                    log.info("waiting for another process to finish building the %s kernel", name)
+                    next_report = now + 30
+                time.sleep(0.1)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing the %s kernel's build lock left by an interrupted build (%s)", name, stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 @functools.cache
 def load_extension(name: str, source: Path):
     """Compile (or load the cached build of) one C++ source as a Python module; raises what the
@@ -80,10 +131,11 @@ def load_extension(name: str, source: Path):
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     flags = _compile_flags()
     source_hash = source_digest(source)
-    build_dir = cache_root() / "extensions" / f"{name}_{source_hash}_{cpu_fingerprint()}"
+    build_dir = cache_root() / "extensions" / f"{name}_{source_hash}_{cpu_fingerprint()}_{torch_install_digest()}"
     build_dir.mkdir(parents=True, exist_ok=True)
-    return load(name=f"specdecode_{name}_{source_hash}", sources=[str(source)], extra_cflags=flags,
-                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=os.environ.get("SPECDECODE_VERBOSE_BUILD") == "1")
+    with build_lock(build_dir, name):
+        return load(name=f"specdecode_{name}_{source_hash}", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir), verbose=os.environ.get("SPECDECODE_VERBOSE_BUILD") == "1")
 
 
 def optional_extension(name: str, source: Path, switch: str, required_flags: set[str] = frozenset(),
@@ -96,8 +148,6 @@ def optional_extension(name: str, source: Path, switch: str, required_flags: set
     try:
         return load_extension(name, source)
     except Exception as error:
-        import logging
-
         logging.getLogger(__name__).warning("the %s kernel failed to build (%s: %s); %s", name,
                                             type(error).__name__, error, fallback)
         return None
