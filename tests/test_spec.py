@@ -1,6 +1,7 @@
 """Speculative decoding beyond the conformance suite: depth knobs, acceptance, the sampling distribution, config errors."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from helpers import (CHI2_999_DF7, PROMPT_IDS as PROMPTS, chi_square, exact_seco
 from specdecode import LLM, SamplingParams, SpeculativeConfig
 from specdecode.errors import ConfigError, TokenizerMismatchError
 from specdecode.sampling import SamplingBatch, process_logits
-from specdecode.speculative.propose.drafters.ngram.proposer import find_continuation
+from specdecode.speculative.propose.drafters.ngram.proposer import NgramIndex
 from specdecode.speculative.verify.chain import verify
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -62,12 +63,37 @@ def test_ngram_accepts_nearly_everything_on_repetition():
     assert out.metrics.acceptance_rate > 0.8 and out.metrics.mean_acceptance_length > 3
 
 
-def test_find_continuation_prefers_longest_latest_match():
-    import numpy as np
+def _scan_continuation(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+    """Prompt lookup by brute force: the latest earlier window equal to the last n tokens, longest n first."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        starts = [i for i in range(L - n) if tokens[i: i + n] == tokens[L - n:]]
+        if starts:
+            return tokens[starts[-1] + n: starts[-1] + n + k]
+    return []
 
-    tokens = np.array([1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3])
-    assert find_continuation(tokens, 1, 3, 3) == [4, 5, 7]  # [2, 3] matched latest at index 5
-    assert find_continuation(np.array([1, 2, 3]), 1, 3, 3) == []
+
+def test_the_ngram_index_prefers_the_longest_latest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    assert NgramIndex().continuation(tokens, 1, 3, 3) == [4, 5, 7]  # [2, 3] matched latest at index 5
+    assert NgramIndex().continuation([1, 2, 3], 1, 3, 3) == []
+    assert NgramIndex().continuation([5, 5], 1, 3, 4) == [5]  # the match may run into the suffix
+
+
+def test_the_ngram_index_grown_step_by_step_finds_what_a_full_scan_finds():
+    # The index is extended by each step's committed tokens (1 to k + 1 of them); every lookup must
+    # equal a scan of the whole sequence, including after a shorter (restarted) sequence.
+    rng = random.Random(0)
+    for trial in range(40):
+        n_min = rng.randint(1, 3)
+        n_max = rng.randint(n_min, 5)
+        index, tokens = NgramIndex(), [rng.randrange(4) for _ in range(rng.randint(1, 6))]
+        for _ in range(60):
+            k = rng.randint(1, 6)
+            assert index.continuation(tokens, n_min, n_max, k) == _scan_continuation(tokens, n_min, n_max, k)
+            tokens = tokens + [rng.randrange(4) for _ in range(rng.randint(1, 5))]
+        tokens = tokens[: rng.randint(1, 10)]
+        assert index.continuation(tokens, n_min, n_max, 4) == _scan_continuation(tokens, n_min, n_max, 4)
 
 
 def test_p_min_and_n_min_shape_the_drafts(native_model, native_drafter):

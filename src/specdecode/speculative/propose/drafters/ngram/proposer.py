@@ -3,34 +3,54 @@
 Find the most recent earlier occurrence of the sequence's last n tokens, n from
 prompt_lookup_max down to prompt_lookup_min, in prompt + output, and propose the tokens that
 followed it. Drafts are deterministic, so the verifier treats them as one-hot.
+
+Each request keeps an index of its n-grams (like llama.cpp's n-gram cache), extended by the
+tokens committed since its last proposal: a lookup is a few dictionary probes, where scanning
+the whole sequence for every n each step cost ~0.15 ms a step at batch 1 (a third of a W4A8
+decoding step), most of it on the steps that find no match.
 """
 
 from __future__ import annotations
 
-import numpy as np
+import dataclasses
+
 import torch
 
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
 
 
-def find_continuation(tokens: np.ndarray, n_min: int, n_max: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier match of the last n tokens (longest n first)."""
-    L = len(tokens)
-    for n in range(min(n_max, L - 1), n_min - 1, -1):
-        pattern = tokens[L - n:]
-        # windows[i] = tokens[i : i + n] for every start i whose window ends before the suffix.
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: L - 1], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start: start + k].tolist()
-    return []
+@dataclasses.dataclass(slots=True)
+class NgramIndex:
+    """One request's n-grams (n_min..n_max tokens) -> the position where their latest occurrence
+    ends, over the n-grams ending before `indexed`."""
+
+    last_end: dict[tuple[int, ...], int] = dataclasses.field(default_factory=dict)
+    indexed: int = 0
+
+    def continuation(self, tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier match of the last n tokens (longest n
+        first). "Earlier": the match ends before the last token (the suffix is not its own match)."""
+        L = len(tokens)
+        if self.indexed > L:  # the tokens are not an extension of what was indexed
+            self.last_end.clear()
+            self.indexed = 0
+        last_end = self.last_end
+        for end in range(self.indexed, L - 1):  # the n-grams ending at `end`, up to the one before the last token
+            for n in range(n_min, min(n_max, end + 1) + 1):
+                last_end[tuple(tokens[end + 1 - n: end + 1])] = end
+        self.indexed = max(self.indexed, L - 1)
+        for n in range(min(n_max, L - 1), n_min - 1, -1):
+            end = last_end.get(tuple(tokens[L - n:]))
+            if end is not None:
+                return tokens[end + 1: end + 1 + k]
+        return []
 
 
 @register("ngram")
-class NgramProposer(ProposerBase):
+class NgramProposer(ProposerBase[NgramIndex]):
     draft_cost_prior = 0.02  # a host-side lookup
+    state_type = NgramIndex
 
     def __init__(self, ctx: ProposerContext):
         super().__init__(ctx)
@@ -39,12 +59,11 @@ class NgramProposer(ProposerBase):
 
     def propose(self, seqs, max_tokens, sampling, stop=None) -> Draft:
         k = max(max_tokens)
-        token_ids = torch.full((len(seqs), k), -1, dtype=torch.long)
-        num = torch.zeros(len(seqs), dtype=torch.long)
-        for b, (seq, limit) in enumerate(zip(seqs, max_tokens)):
-            if limit == 0:
-                continue
-            cont = find_continuation(np.asarray(seq.token_ids, dtype=np.int64), self.n_min, self.n_max, limit)
-            token_ids[b, : len(cont)] = torch.tensor(cont, dtype=torch.long)
-            num[b] = len(cont)
-        return Draft(token_ids.to(self.device), num.to(self.device))
+        rows = []  # [B][k] drafts padded with -1
+        nums = []
+        for seq, limit in zip(seqs, max_tokens):
+            cont = self.state(seq).continuation(seq.token_ids, self.n_min, self.n_max, limit) if limit > 0 else []
+            rows.append(cont + [-1] * (k - len(cont)))
+            nums.append(len(cont))
+        return Draft(torch.tensor(rows, dtype=torch.long, device=self.device),
+                     torch.tensor(nums, dtype=torch.long, device=self.device))
