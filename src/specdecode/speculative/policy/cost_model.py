@@ -111,6 +111,10 @@ class LiveCost:
         self.scale: dict[int, float] = {}  # batch-size bucket (bit length) -> measured / profiled
         self.shape: dict[int, dict[int, list[float]]] = {}  # bucket -> {width: [EMA of ratio / level, steps]}
         self.measured: dict[int, tuple[list[int], list[float]]] = {}  # bucket -> widths with min_samples, corrections
+        # Prices asked since the last observation: one step's policies price the same few forwards ~20
+        # times (auto-k, D-Cut's stop rule after each drafter step, its cut), ~3 us each on the caches a
+        # forward left cold.
+        self._prices: dict[tuple[int, int], float] = {}
 
     def factor(self, batch_size: int) -> float:
         """The level: measured / profiled step time in this batch size's bucket (the machine's speed)."""
@@ -120,8 +124,12 @@ class LiveCost:
         return self.scale.get(bucket) or self.scale[min(self.scale, key=lambda b: abs(b - bucket))]
 
     def step_time(self, batch_size: int, total_tokens: int) -> float:
-        profiled = self.profile.step_time(batch_size, total_tokens)
-        return self.factor(batch_size) * self._shape(batch_size, total_tokens) * profiled
+        key = (batch_size, total_tokens)
+        price = self._prices.get(key)
+        if price is None:
+            profiled = self.profile.step_time(batch_size, total_tokens)
+            price = self._prices[key] = self.factor(batch_size) * self._shape(batch_size, total_tokens) * profiled
+        return price
 
     def _shape(self, batch_size: int, total_tokens: int) -> float:
         measured = self.measured.get(batch_size.bit_length())
@@ -136,6 +144,7 @@ class LiveCost:
 
     def observe(self, batch_size: int, total_tokens: int, seconds: float) -> None:
         """A step's measured seconds outside drafting, for a forward of these dimensions."""
+        self._prices.clear()
         ratio = seconds / self.profile.step_time(batch_size, total_tokens)
         bucket = batch_size.bit_length()
         old = self.scale.get(bucket)
