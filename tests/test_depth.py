@@ -506,3 +506,24 @@ def test_dcut_re_measures_drafting_where_it_declines_and_drafting_lost():
     assert [p.max_tokens[0] for p in plans] == [0, 0, 0] + [4] * 4 + [0] * 7 + [4] * 2  # after 4, then 8 decisions
     assert not any(p.prune_while_drafting for p in plans)
     assert depth.verify_lengths([Seq()], [1], [[0.01]]) == [1]
+
+
+def test_drafting_that_falls_behind_is_re_measured_soon_whatever_interval_winning_reached():
+    """While drafting wins, plain decoding is re-measured ever more rarely (the interval doubles);
+    when drafting's own steps then fall behind (a request it drafts badly for), the next
+    re-measurement of drafting comes `explore_every` decisions later, not after that interval
+    (traced: MTP D-Cut, winning 2x at an interval of 1,024, fell behind on one request and stayed
+    off for ~1,000 decisions)."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=64, min_samples=1, weight=0.5)
+    guard.observe(1, drafted=True, tokens=3, seconds=0.02)  # 150 tok/s drafting
+    guard.observe(1, drafted=False, tokens=1, seconds=0.01)  # 100 tok/s plain
+    for _ in range(200):  # drafting wins: plain re-measured at 4, 4, 8, ..., 64 decisions
+        guard.choose(1, 4)
+    assert guard.interval[1] == 64
+    for _ in range(6):  # drafting's steps fall behind: 50 tok/s
+        guard.observe(1, drafted=True, tokens=1, seconds=0.02)
+    assert guard.declines(1)
+    drafted_at = [i for i in range(1, 41) if guard.choose(1, 4) > 0]
+    assert drafted_at == [4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37]  # then 4, 8, 16 ... again

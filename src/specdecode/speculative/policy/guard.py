@@ -17,7 +17,8 @@ class MeasuredGuard:
     (the cost of being wrong is bounded by that fraction of steps). The interval doubles up
     to `max_interval` while explorations confirm the verdict, and at every exploration where
     drafting loses, because each such probe pays the drafter's catch-up over everything
-    decoded since the last one. Only steady steps count (the controller passes a step only
+    decoded since the last one; where drafting falls behind between explorations, it restarts
+    at `explore_every` (`observe`). Only steady steps count (the controller passes a step only
     when the one before it took the same arm): the first step after a switch pays for it
     (traced, draft model at batch 1: a plain step right after a drafting step 1.59 ms, after a
     plain step 1.39 ms; counting both, plain decoding measured slower than drafting that lost
@@ -73,13 +74,16 @@ class MeasuredGuard:
         sums = self.sums.get((bucket, drafted))
         return None if sums is None or sums[2] < self.min_samples else sums[0] / sums[1]
 
+    def loses(self, bucket: int) -> bool:
+        """Both arms measured in this bucket, and drafting's rate below `margin` x plain decoding's."""
+        spec, plain = self.rate(bucket, True), self.rate(bucket, False)
+        return spec is not None and plain is not None and spec < self.margin * plain
+
     def declines(self, batch_size: int) -> bool:
         """Whether the next `choose` in this bucket returns 0 whatever k is: drafting measured
         slower and neither a burst nor an exploration is due (the policy need not price a draft)."""
         bucket = batch_size.bit_length()
-        spec, plain = self.rate(bucket, True), self.rate(bucket, False)
-        loses = spec is not None and plain is not None and spec < self.margin * plain
-        return (loses and self.burst_left.get(bucket, 0) == 0
+        return (self.loses(bucket) and self.burst_left.get(bucket, 0) == 0
                 and self.since.get(bucket, 0) + 1 < self.interval.get(bucket, self.explore_every))
 
     def choose(self, batch_size: int, k: int, switch_steps: float = 0.0) -> int:
@@ -90,9 +94,8 @@ class MeasuredGuard:
         if self.burst_left.get(bucket, 0) > 0 and (k > 0 or self.burst_drafts[bucket]):  # the rest of a burst
             self.burst_left[bucket] -= 1
             return self._deeper(k or self.k_max, n) if self.burst_drafts[bucket] else 0
-        spec, plain = self.rate(bucket, True), self.rate(bucket, False)
-        measured = spec is not None and plain is not None
-        loses = measured and spec < self.margin * plain
+        measured = self.rate(bucket, True) is not None and self.rate(bucket, False) is not None
+        loses = self.loses(bucket)
         since = self.since[bucket] = self.since.get(bucket, 0) + 1
         interval = self.interval.get(bucket, self.explore_every)
         if not measured:
@@ -133,8 +136,19 @@ class MeasuredGuard:
         return k + 1 if k < self.k_max and n % self.probe_every == self.probe_every // 2 else k
 
     def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
-        sums = self.sums.setdefault((batch_size.bit_length(), drafted), [0.0, 0.0, 0])
+        bucket = batch_size.bit_length()
+        lost = self.loses(bucket)
+        sums = self.sums.setdefault((bucket, drafted), [0.0, 0.0, 0])
         sums[2] += 1
         w = max(self.weight, 1 / sums[2])  # the plain mean of the first steps, then an EMA
         sums[0] = (1 - w) * sums[0] + w * tokens
         sums[1] = (1 - w) * sums[1] + w * seconds
+        if self.loses(bucket) and not lost:
+            # Drafting has just fallen behind (a request it drafts badly for, a slower spell): the next
+            # re-measurement comes `explore_every` decisions from now, backing off from there while it
+            # keeps losing. The interval reached while explorations confirmed that drafting wins says
+            # how rarely plain decoding needs re-measuring, not how soon drafting does: kept, it
+            # locked drafting off for the rest of a run (traced at batch 1: MTP D-Cut measured 1,639
+            # tok/s drafting against 818 plain, fell behind on one request at an interval of 1,024,
+            # and drafted again ~1,000 decisions later, to lose its burst and wait 1,024 more).
+            self.interval[bucket], self.since[bucket] = self.explore_every, 0
