@@ -527,3 +527,33 @@ def test_drafting_that_falls_behind_is_re_measured_soon_whatever_interval_winnin
     assert guard.declines(1)
     drafted_at = [i for i in range(1, 41) if guard.choose(1, 4) > 0]
     assert drafted_at == [4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37]  # then 4, 8, 16 ... again
+
+
+def test_one_stalled_step_moves_neither_the_guards_rates_nor_the_live_level_much():
+    """A stall that is not the step's own (traced: one 99 ms step among 2-3 ms ones) counts as at
+    most 3x what was expected: it moved the guard's drafting rate from 1,452 to 524 tok/s and the
+    live level 4x, and drafting stayed off for ~1,500 steps."""
+    from specdecode.speculative.policy.estimators import DraftCost
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, min_samples=4)
+    for _ in range(40):
+        guard.observe(1, drafted=True, tokens=3, seconds=0.0025)  # 1,200 tok/s drafting
+        guard.observe(1, drafted=False, tokens=1, seconds=0.001)  # 1,000 tok/s plain
+    guard.observe(1, drafted=True, tokens=3, seconds=0.099)
+    assert not guard.loses(1) and guard.rate(1, True) > 1000
+    for _ in range(40):  # a real change still shows within tens of steps
+        guard.observe(1, drafted=True, tokens=3, seconds=0.0045)
+    assert guard.loses(1)
+
+    live = LiveCost(CostModel({1: {1: 0.001, 4: 0.0012}}, context=128))
+    for _ in range(10):
+        live.observe(1, 4, 0.0012)
+    live.observe(1, 4, 0.099)
+    assert live.factor(1) < 1.25  # the EMA's one step, at 3x: 1 + 0.1 * 2
+
+    cost = DraftCost(0.3)
+    for _ in range(10):
+        cost.observe(4, 1.2)
+    cost.observe(4, 40.0)
+    assert cost.per_step < 0.3 * 1.25

@@ -28,6 +28,7 @@ import torch
 
 from specdecode.defaults import cache_root
 from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.speculative.policy.estimators import clipped
 
 log = logging.getLogger(__name__)
 
@@ -145,9 +146,9 @@ class LiveCost:
     def observe(self, batch_size: int, total_tokens: int, seconds: float) -> None:
         """A step's measured seconds outside drafting, for a forward of these dimensions."""
         self._prices.clear()
-        ratio = seconds / self.profile.step_time(batch_size, total_tokens)
         bucket = batch_size.bit_length()
         old = self.scale.get(bucket)
+        ratio = clipped(seconds / self.profile.step_time(batch_size, total_tokens), old)
         level = self.scale[bucket] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
         widths = self.shape.setdefault(bucket, {})
         width = round(total_tokens / max(1, batch_size))

@@ -11,6 +11,18 @@ if TYPE_CHECKING:
     from specdecode.speculative.stats import SpecStats
 
 
+# A step can stall for reasons that are not its own (a garbage collection, the OS running something
+# else): traced at batch 1, one 99 ms step among 2-3 ms ones moved the guard's EMA of drafting's rate
+# from 1,452 to 524 tok/s and the live cost's level 4x, and drafting stayed off for ~1,500 steps.
+# So a sample above this multiple of what the estimate already expects counts as that multiple.
+OUTLIER_FACTOR = 3.0
+
+
+def clipped(sample: float, expected: float | None) -> float:
+    """`sample`, at most OUTLIER_FACTOR x `expected` (unchanged while nothing is expected yet)."""
+    return sample if expected is None or expected <= 0 else min(sample, OUTLIER_FACTOR * expected)
+
+
 class DraftCost:
     """Drafting cost in units of the target's one-token step T(B, B): a fixed part per proposal
     (setting up the draft; the first drafter forward also feeds what was committed since the
@@ -26,6 +38,8 @@ class DraftCost:
         self.moments: list[float] | None = None  # EMA of [n, y, n*n, n*y]
 
     def observe(self, steps: int, cost: float) -> None:
+        if self.moments is not None:
+            cost = clipped(cost, self.fixed + self.per_step * steps)
         sample = [steps, cost, steps * steps, steps * cost]
         m = self.moments = sample if self.moments is None else [
             (1 - self.weight) * a + self.weight * b for a, b in zip(self.moments, sample)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from specdecode.speculative.policy.estimators import clipped
+
 
 class MeasuredGuard:
     """The cost model's choice checked against what steps actually delivered, plus the
@@ -139,6 +141,7 @@ class MeasuredGuard:
         bucket = batch_size.bit_length()
         lost = self.loses(bucket)
         sums = self.sums.setdefault((bucket, drafted), [0.0, 0.0, 0])
+        seconds = clipped(seconds, sums[1] if sums[2] >= self.min_samples else None)  # a stall is not the arm's
         sums[2] += 1
         w = max(self.weight, 1 / sums[2])  # the plain mean of the first steps, then an EMA
         sums[0] = (1 - w) * sums[0] + w * tokens
