@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+log = logging.getLogger(__name__)
+
 
 @functools.cache
 def _cpuinfo_flags_line() -> str:
@@ -93,7 +95,6 @@ def build_lock(build_dir: Path, name: str, timeout_s: float = BUILD_LOCK_TIMEOUT
     except ImportError:  # no POSIX file locks (Windows): PyTorch's own lock alone
         yield
         return
-    log = logging.getLogger(__name__)
     with open(build_dir / "build.lock", "a") as handle:
         started = next_report = time.monotonic()
         while True:
@@ -148,7 +149,7 @@ def optional_extension(name: str, source: Path, switch: str, required_flags: set
     try:
         return load_extension(name, source)
     except Exception as error:
-        logging.getLogger(__name__).warning("the %s kernel failed to build (%s: %s); %s", name,
+        log.warning("the %s kernel failed to build (%s: %s); %s", name,
                                             type(error).__name__, error, fallback)
         return None
 

@@ -76,10 +76,14 @@ class MeasuredGuard:
         sums = self.sums.get((bucket, drafted))
         return None if sums is None or sums[2] < self.min_samples else sums[0] / sums[1]
 
-    def loses(self, bucket: int) -> bool:
-        """Both arms measured in this bucket, and drafting's rate below `margin` x plain decoding's."""
+    def verdict_now(self, bucket: int) -> tuple[bool, bool]:
+        """(both arms measured in this bucket, drafting's rate below `margin` x plain decoding's)."""
         spec, plain = self.rate(bucket, True), self.rate(bucket, False)
-        return spec is not None and plain is not None and spec < self.margin * plain
+        measured = spec is not None and plain is not None
+        return measured, measured and spec < self.margin * plain
+
+    def loses(self, bucket: int) -> bool:
+        return self.verdict_now(bucket)[1]
 
     def declines(self, batch_size: int) -> bool:
         """Whether the next `choose` in this bucket returns 0 whatever k is: drafting measured
@@ -96,8 +100,7 @@ class MeasuredGuard:
         if self.burst_left.get(bucket, 0) > 0 and (k > 0 or self.burst_drafts[bucket]):  # the rest of a burst
             self.burst_left[bucket] -= 1
             return self._deeper(k or self.k_max, n) if self.burst_drafts[bucket] else 0
-        measured = self.rate(bucket, True) is not None and self.rate(bucket, False) is not None
-        loses = self.loses(bucket)
+        measured, loses = self.verdict_now(bucket)
         since = self.since[bucket] = self.since.get(bucket, 0) + 1
         interval = self.interval.get(bucket, self.explore_every)
         if not measured:
