@@ -49,10 +49,11 @@ def test_the_op_computes_attention(dtype, D, B, KVH, group, T, S):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64, 128])
 def test_a_tokens_rows_do_not_depend_on_the_other_tokens(dtype, D):
-    q, keys, values, mask = _inputs(1, 4, 2, 8, 300, D, dtype)  # 16 rows per KV head: all served here
-    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 8, D)
-    for t in range(8):  # token t alone, with its mask row and the same keys
-        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 8, D)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
+    # 17 tokens (k = 16 drafts), 34 rows per KV head: all served here
+    q, keys, values, mask = _inputs(1, 4, 2, 17, 300, D, dtype)
+    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 17, D)
+    for t in range(17):  # token t alone, with its mask row and the same keys
+        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 17, D)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
         assert torch.equal(alone, out[:, :, :, t]), t
 
 
@@ -64,8 +65,8 @@ def test_a_row_that_sees_no_key_gives_zeros():
 
 
 def test_prefill_widths_take_pytorchs_kernel():
-    q, keys, values, mask = _inputs(1, 4, 2, 20, 40, 64, torch.float32)  # 40 rows per KV head
-    rows = mask.expand(1, 2, 20, 40).reshape(1, 1, 40, 40)
+    q, keys, values, mask = _inputs(1, 4, 2, 24, 40, 64, torch.float32)  # 48 rows per KV head
+    rows = mask.expand(1, 2, 24, 40).reshape(1, 1, 48, 40)
     pytorch = F.scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=rows)
     assert torch.equal(attention_cpu.cached_attention(q, keys, values, mask, 2), pytorch)
 

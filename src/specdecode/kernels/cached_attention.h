@@ -17,10 +17,13 @@ namespace {
 
 // Query rows per KV head served here (group x tokens): the per-row cost here grows as rows x keys,
 // the flash kernel's mostly fixed; measured (8/4 heads of 64, 2 threads) 2.5x faster at 2 rows,
-// 1.1-1.7x at 10, even at 16 over 600 keys (fp32 scores). 12 until the bf16 scores: at 16, 7- and
-// 8-token W4A8 verification forwards of the default model measured 1.54-1.75 -> 1.14-1.33 ms and
-// 1.72-2.10 -> 1.37-1.69 ms (~120 keys, alternating builds; they also take the lean path now).
-constexpr int64_t kMaxRows = 16;
+// 1.1-1.7x at 10, even at 16 over 600 keys (fp32 scores). 16 until a limit of 8 tokens at group 2
+// sent every 9-token verification (n-gram k = 8) down the eager path with PyTorch's kernel (W4A8,
+// default model: 1.94 ms against 0.98 at 5 tokens). Measured then, ours / flash (us, 2 threads,
+// 4 KV heads of 64, causal tail): 34 rows bf16 35 / 66 over 128 keys, 254 / 378 over 1,024, 525 / 756
+// over 2,000; fp32 44 / 66, 321 / 365, 678 / 720. At 48 rows fp32 over 2,000 keys ours lost (880 /
+// 858), bf16 still won (710 / 931). 40 covers 17 tokens at group 2 and 9 at group 4.
+constexpr int64_t kMaxRows = 40;
 
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
