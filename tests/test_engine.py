@@ -9,7 +9,7 @@ from specdecode.engine.ragged import ForwardEntry
 from specdecode.engine.runner import Runner
 from specdecode.errors import ConfigError, InvalidRequestError
 from specdecode.models.loader import load_model
-from specdecode.sampling import SamplingBatch, process_logits
+from specdecode.sampling import SamplingBatch, argmax, process_logits
 from specdecode.tokenizer import OutputText
 
 
@@ -92,6 +92,21 @@ def test_top_k_and_top_p_masks():
     # top_p 0.8: 0.5 + 0.2 = 0.7 < 0.8, so 0.15 is needed too; the rest is cut.
     torch.testing.assert_close(probs[1], torch.tensor([0.5, 0.2, 0.15, 0, 0]) / 0.85)
     torch.testing.assert_close(probs[2], torch.tensor([1.0, 0, 0, 0, 0]))
+
+
+def test_the_fast_argmax_picks_what_torch_picks():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 9, 300, generator=g)
+    x[0, 0, 7] = x[0, 0, 250] = 50.0  # equal maxima: the first
+    x[1, 2, 30] = x[1, 2, 40] = float("nan")  # NaN counts as the largest: the first
+    x[2, 3] = float("-inf")  # every entry -inf
+    x[3, 1, 299] = float("inf")
+    for t in (x, x[:, :3], x[:, ::2], x.transpose(0, 1), x[:0], x.bfloat16(), x.double()):
+        out = argmax(t)
+        assert out.dtype == torch.int64 and torch.equal(out, t.argmax(dim=-1)), t.shape
+    with torch.inference_mode():
+        assert torch.equal(argmax(x), x.argmax(dim=-1))
+    assert not torch.equal(argmax(x), argmax(-x))  # can fail
 
 
 def test_temperature_zero_is_exact_argmax(native_model):

@@ -263,10 +263,20 @@ def race_noise(batch: SamplingBatch, vocab: int, offset: int = 0) -> torch.Tenso
     return noise
 
 
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1), the same indices (the first of equal maxima; NaN counts as the largest). A
+    CPU float32 tensor goes through numpy, whose vectorised reduction measured 1.7 us a row of 8,192
+    logits here where PyTorch's took 8.6 (3 rows 2.8 against 22, 9 rows 5.9 against 37): a greedy
+    step takes one or more of these."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and x.shape[-1] > 0:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Raw logits [N, V] float32 -> token ids [N] (adjustments, then the processed distribution)."""
     logits = adjust_logits(logits, batch)
-    greedy_tokens = logits.argmax(dim=-1)
+    greedy_tokens = argmax(logits)
     if batch.all_greedy:
         return greedy_tokens
     probs = process_logits(logits, batch)

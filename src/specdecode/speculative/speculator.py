@@ -235,8 +235,10 @@ class Speculator:
         if max(num_draft) == 0:  # nothing to verify (the drafter proposed nothing)
             return result, self._sample_without_draft(result.logits[:, 0], sampling), result.logits[:, :1], sampling
         draft = draft.pad_to(self.k)  # fixed width k: per-request random draws never depend on the batch
-        logits = _pad_logits(result.logits, self.k + 1)
         rows = self._position_rows(sampling, draft.token_ids, None, grammar)
+        # An all-greedy batch without adjustments compares argmaxes over the drafted positions only
+        # (padding to k + 1 and reducing the padding cost 10-30 us at k = 8).
+        logits = result.logits if rows is None and sampling.all_greedy else _pad_logits(result.logits, self.k + 1)
         return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling, rows), logits, rows
 
     def _verify_tree(self, seqs, draft: Draft, num_nodes: list[int], limits: list[int], sampling: SamplingBatch):

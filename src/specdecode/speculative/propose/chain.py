@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import RowMasks, SamplingBatch, adjust_logits, bitmask_words, process_logits, race_noise
+from specdecode.sampling import (RowMasks, SamplingBatch, adjust_logits, argmax, bitmask_words, process_logits,
+                                 race_noise)
 from specdecode.speculative.propose.proposer import Draft
 
 
@@ -73,7 +74,7 @@ class ChainDraft:
             sub = sub.with_context(drafted, self._grammar_masks(active, sampling, logits.shape[-1]))
             logits = adjust_logits(logits, sub)
         q = torch.softmax(logits, dim=-1) if sub is None else process_logits(logits, sub)  # [A, V]
-        chosen = logits.argmax(dim=-1)
+        chosen = argmax(logits)
         if sub is not None and not sub.all_greedy:
             # Keyed rows race q against the noise the target will race p against at this position
             # (Gumbel coupling): the draft is the target's token whenever q and p allow it.

@@ -36,7 +36,7 @@ import dataclasses
 
 import torch
 
-from specdecode.sampling import SamplingBatch, adjust_logits, exponential_noise, process_logits, race_noise
+from specdecode.sampling import SamplingBatch, adjust_logits, argmax, exponential_noise, process_logits, race_noise
 
 
 @dataclasses.dataclass(slots=True)
@@ -75,7 +75,9 @@ def verify(
     draft_token_ids: torch.Tensor,  # [B, k] int64, -1 padded
     num_draft: torch.Tensor,  # [B] int64
     draft_probs: torch.Tensor | None,  # [B, k, V] processed q, or None for one-hot drafts
-    target_logits: torch.Tensor,  # [B, k + 1, V] float32 at [last token, x_1 .. x_k]
+    # [B, k + 1, V] float32 at [last token, x_1 .. x_k]; an all-greedy batch without `rows` may pass fewer
+    # positions, at least 1 + max(num_draft) (the positions past a row's drafts are never read there)
+    target_logits: torch.Tensor,
     sampling: SamplingBatch,  # one row per sequence
     rows: SamplingBatch | None = None,  # B * (k + 1) rows, one per position, with draft context; None = repeats
 ) -> Verified:
@@ -85,14 +87,14 @@ def verify(
     if rows is not None and rows.adjusts:
         target_logits = adjust_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
     if sampling.all_deterministic and not sampling.keyed_rows:
-        return _greedy(draft_token_ids.tolist(), num_draft.tolist(), target_logits.argmax(dim=-1).tolist(), device)
+        return _greedy(draft_token_ids.tolist(), num_draft.tolist(), argmax(target_logits).tolist(), device)
     positions = torch.arange(k, device=device)[None, :]  # [1, k]
     in_draft = positions < num_draft[:, None]  # [B, k]
     safe_drafts = draft_token_ids.clamp(min=0)
 
     # Deterministic rule (greedy and keyed rows): accept while the draft equals the target's own
     # choice; the token at the first mismatch (or after the last draft) is its choice there.
-    choice = target_logits.argmax(dim=-1)  # [B, k + 1]
+    choice = argmax(target_logits)  # [B, k + 1]
     p = None
     if rows is None and (sampling.keyed_rows or not sampling.all_deterministic):
         rows = sampling.repeat_rows([k + 1] * B)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import SamplingBatch, adjust_logits, process_logits, race_noise
+from specdecode.sampling import SamplingBatch, adjust_logits, argmax, process_logits, race_noise
 from specdecode.speculative.verify.chain import Verified
 
 
@@ -69,14 +69,14 @@ def verify_tree(
     if rows is not None and rows.adjusts:
         target_logits = adjust_logits(target_logits.reshape(B * (n + 1), V), rows).view(B, n + 1, V)
     if sampling.all_greedy:
-        draws = target_logits.argmax(dim=-1)  # [B, n + 1] the target's token after each node
+        draws = argmax(target_logits)  # [B, n + 1] the target's token after each node
     else:
         rows = rows if rows is not None else sampling.repeat_rows([n + 1] * B)
         probs = process_logits(target_logits.reshape(B * (n + 1), V), rows).view(B, n + 1, V)
         # One noise row per depth level and sequence: level d's draw is used at the depth-d node
         # (keyed rows: the noise of position root + d, as plain decoding draws it).
         noise = race_noise(sampling.repeat_rows([max_depth + 1] * B), V).view(B, max_depth + 1, V)
-        greedy = target_logits.argmax(dim=-1)  # [B, n + 1]
+        greedy = argmax(target_logits)  # [B, n + 1]
     current = torch.full((B,), -1, dtype=torch.long, device=device)  # -1 = root
     alive = torch.ones(B, dtype=torch.bool, device=device)
     out = torch.full((B, max_depth + 1), -1, dtype=torch.long, device=device)
