@@ -10,8 +10,10 @@ so that pricing a drafter's catch-up over many tokens interpolates instead of ex
 a decode-sized slope. Each point is the fastest of its repeats (timing noise on a shared CPU
 only ever adds time), and the table is made monotone: a forward never costs less with more
 sequences or more tokens, so a noisy point is replaced by the cheaper larger one. Results are
-cached per model (path + weights' mtime), dtype, device, torch version and thread count, in
-$SPECDECODE_CACHE (default ~/.cache/specdecode).
+cached per model (path + weights' mtime), dtype, device, torch version, thread count and the
+forward's C++ kernels (a kernel change moves step times: a cached profile priced 9-token forwards
+at twice what they cost once the attention kernel served them), in $SPECDECODE_CACHE (default
+~/.cache/specdecode).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 
 from specdecode.defaults import cache_root
 from specdecode.engine.runner import ForwardEntry, Runner
+from specdecode.kernels import attention_cpu, build, decode_stack_cpu
 from specdecode.speculative.policy.estimators import clipped
 
 log = logging.getLogger(__name__)
@@ -169,7 +172,8 @@ def cache_path(model_dir: Path, dtype: torch.dtype, device: torch.device, varian
     """`variant`: what else changes the forward's speed (the weights' quantisation, compilation)."""
     weights = sorted(Path(model_dir).glob("*.safetensors"))
     stamp = [str(Path(model_dir).resolve())] + [f"{w.name}:{w.stat().st_mtime_ns}" for w in weights]
-    key = "|".join(stamp + [str(dtype), str(device), torch.__version__, str(torch.get_num_threads())]
+    kernels = [build.source_digest(source) for source in (decode_stack_cpu.SOURCE, attention_cpu.SOURCE)]
+    key = "|".join(stamp + [str(dtype), str(device), torch.__version__, str(torch.get_num_threads())] + kernels
                    + ([variant] if variant else []))
     return cache_root() / "cost" / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
