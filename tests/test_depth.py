@@ -7,7 +7,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.sampling import SamplingBatch, process_logits
 from specdecode.speculative.policy.cost_model import CostModel, LiveCost, load_or_profile, monotone
 from specdecode.speculative.config import SpeculativeConfig
-from specdecode.speculative.policy.controller import DepthController, StepPlan
+from specdecode.speculative.policy.controller import DepthController, DraftStopRule, StepPlan
 from specdecode.speculative.policy.estimators import AcceptanceEstimator, DraftCost
 from specdecode.speculative.policy.rules import auto_k, dcut_lengths, expected_committed
 from specdecode.speculative.verify.chain import verify
@@ -263,8 +263,33 @@ def test_dcut_stops_drafting_rows_it_would_prune():
     assert controller({1: 0.010, 5: 0.010}, 0.0001).keep_drafting(0, tops, [0, 1, 2, 3]) == [0, 1, 2, 3]
     assert controller({1: 0.010, 5: 0.050}, 0.1).keep_drafting(0, tops, [0, 1, 2, 3]) == []
     # A guard probe (or no D-Cut) plans no pruning: chain drafters get no stop rule and run to their limit.
-    assert depth.draft_stop(StepPlan([4] * 4, prune_while_drafting=True)) == depth.keep_drafting
+    assert isinstance(depth.draft_stop(StepPlan([4] * 4, prune_while_drafting=True)), DraftStopRule)
     assert depth.draft_stop(StepPlan([4] * 4, prune_while_drafting=False)) is None
+
+
+@pytest.mark.parametrize("table,draft_cost", [({1: 0.010, 3: 0.011, 6: 0.013, 9: 0.016}, 0.1),
+                                              ({1: 0.010, 9: 0.010}, 0.02), ({1: 0.010, 9: 0.03}, 0.15)])
+def test_the_one_sequence_stop_rule_decides_as_keep_drafting(table, draft_cost):
+    """At batch 1 D-Cut's stop rule is a threshold per position on survival / tau, priced once per
+    proposal (what the C++ chain evaluates): it must decide as the general rule does."""
+    config = SpeculativeConfig(method="eagle3", num_speculative_tokens=5, verify_pruning="dcut")
+    g = torch.Generator().manual_seed(0)
+    decisions = []
+    for trial in range(40):
+        depth = DepthController(config, lambda: CostModel({1: table}, 128), draft_cost_prior=draft_cost)
+        for _ in range(int(torch.randint(0, 60, (1,), generator=g))):  # a random history of verified drafts
+            n = int(torch.randint(1, 6, (1,), generator=g))
+            conf = torch.rand(n, generator=g).tolist()
+            depth.estimator.update([n], [int(torch.randint(0, n + 1, (1,), generator=g))], [conf])
+        rule = DraftStopRule(depth)
+        row = []
+        for step in range(4):
+            row.append(float(torch.rand(1, generator=g)) ** 0.5)
+            decision = rule(step, [row], [0])
+            assert decision == depth.keep_drafting(step, [row], [0]), (trial, step)
+            decisions.append(bool(decision))
+        assert rule(0, [row[:1]], []) == []
+    assert any(decisions) and not all(decisions)  # both outcomes were tested
 
 
 def test_stopping_rows_while_drafting_keeps_greedy_output(native_model, native_drafter):

@@ -122,8 +122,8 @@ def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters,
 @pytest.mark.parametrize("extra", [{"draft_p_min": 0.035}, {"verify_pruning": "dcut"}])
 def test_chains_stopped_by_p_min_or_dcut_draft_what_the_python_steps_draft(native_model, trained_drafters,
                                                                            native_steps, monkeypatch, extra):
-    # p_min: the whole chain in one C++ call, stopping there; D-Cut's stop rule: one call a step, the
-    # rule asked between them (it must see every step's confidence).
+    # p_min, or D-Cut's stop rule in its one-sequence form (controller.py OneRowStop): the whole chain
+    # in one C++ call, stopping there, where the Python steps ask the rule after each step.
     calls = {"draft_chain": 0, "draft_step": 0}
     for name in calls:
         def counted(self, *args, _call=getattr(NativeStack, name), _name=name):
@@ -136,9 +136,8 @@ def test_chains_stopped_by_p_min_or_dcut_draft_what_the_python_steps_draft(nativ
     spec = {"method": "mtp", "num_speculative_tokens": 4, "model": str(trained_drafters["mtp"]), **extra}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ours = _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params)
-    assert native_steps and calls["draft_chain" if "draft_p_min" in extra else "draft_step"]
-    if "draft_p_min" in extra:  # some chains stopped early, in C++
-        assert any(0 < int((tokens >= 0).sum()) < 4 for tokens, _ in ours[1])
+    assert native_steps and calls["draft_chain"] and not calls["draft_step"]
+    assert any(0 < int((tokens >= 0).sum()) < 4 for tokens, _ in ours[1])  # some chains stopped early, in C++
     count = len(native_steps)
     llm_python = _python_steps(LLM(native_model, dtype="float32", speculative_config=spec))
     ticks = iter(range(10**9))

@@ -924,18 +924,45 @@ class DraftStep {
   // Up to max_steps greedy steps in one call (no Python between them): the first as `step` with
   // tokens and features at `start`, step s + 1 feeding the token drafted at s (and the drafter's
   // output at its last position) at position next_start + s. Stops after a step whose probability
-  // is below p_min (ChainDraft.record drops that token, then the chain ends). Returns the drafted
-  // tokens and probabilities of the steps run.
+  // is below p_min (ChainDraft.record drops that token, then the chain ends), and, given D-Cut's
+  // stop rule for one sequence (binned [k, bins, 2], pooled [bins, 2], scale [k], theta [k - 1]
+  // float64, bin_prior: speculative/policy/controller.py OneRowStop), after a step it says not to
+  // draft on from. Returns the drafted tokens and probabilities of the steps run.
   std::pair<std::vector<int64_t>, std::vector<double>> chain(Stack& layers, torch::Tensor tokens, OptTensor features,
                                                              int64_t slot, int64_t start, int64_t next_start,
-                                                             int64_t max_steps, double p_min) {
+                                                             int64_t max_steps, double p_min, OptTensor binned,
+                                                             OptTensor pooled, OptTensor scale, OptTensor theta,
+                                                             double bin_prior) {
+    const bool rule = binned.has_value();
+    if (rule) {
+      TORCH_CHECK(pooled.has_value() && scale.has_value() && theta.has_value(), "chain: a stop rule needs every table");
+      for (const OptTensor* t : {&binned, &pooled, &scale, &theta})
+        TORCH_CHECK((*t)->scalar_type() == at::kDouble && (*t)->is_contiguous(), "chain: float64 contiguous tables");
+      TORCH_CHECK(binned->dim() == 3 && binned->size(2) == 2 && pooled->dim() == 2 && pooled->size(0) == binned->size(1) &&
+                      pooled->size(1) == 2 && scale->numel() == binned->size(0) && theta->numel() >= max_steps - 1 &&
+                      binned->size(0) >= max_steps,
+                  "chain: stop-rule tables of mismatched shapes");
+    }
     std::vector<int64_t> drafted;
     std::vector<double> tops;
+    double survival = 1.0, tau = 1.0;  // the rule's a and tau (DepthController.one_row_survival)
     for (int64_t s = 0; s < max_steps; ++s) {
       auto [out, token, top] = step(layers, tokens, features, slot, start);
       drafted.push_back(token);
       tops.push_back(top);
       if (top < p_min) break;
+      if (rule && s + 1 < max_steps) {
+        if (std::isnan(top)) break;
+        const int64_t bins = pooled->size(0);
+        const int64_t j = std::min<int64_t>(bins - 1, std::max<int64_t>(0, static_cast<int64_t>(top * bins)));
+        const double* pooled_j = pooled->data_ptr<double>() + 2 * j;
+        const double* binned_j = binned->data_ptr<double>() + 2 * (s * bins + j);
+        const double prior =
+            (pooled_j[0] + bin_prior * std::min(1.0, top * scale->data_ptr<double>()[s])) / (pooled_j[1] + bin_prior);
+        survival *= (binned_j[0] + bin_prior * prior) / (binned_j[1] + bin_prior);
+        tau += survival;
+        if (!(survival / tau > theta->data_ptr<double>()[s])) break;
+      }
       tokens = torch::full({1, 1}, token, torch::TensorOptions().dtype(torch::kLong));
       if (features.has_value()) features = out.slice(1, out.size(1) - 1, out.size(1));
       start = next_start + s;

@@ -22,6 +22,10 @@ left a flag behind.
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import NamedTuple
+
+import torch
 
 from specdecode.engine.sequence import Sequence
 from specdecode.speculative.config import SpeculativeConfig
@@ -29,7 +33,6 @@ from specdecode.speculative.policy.cost_model import LiveCost
 from specdecode.speculative.policy.estimators import AcceptanceEstimator, CatchUpCost, DraftCost
 from specdecode.speculative.policy.guard import MeasuredGuard
 from specdecode.speculative.policy.rules import auto_k, dcut_lengths
-from specdecode.speculative.propose.proposer import DraftStop
 
 
 @dataclasses.dataclass(slots=True)
@@ -48,6 +51,52 @@ class StepPlan:
         return max(self.max_tokens, default=0) > 0
 
 
+
+
+class OneRowStop(NamedTuple):
+    """D-Cut's stop rule for one sequence, as the C++ drafting chain (`DraftStep.chain`) evaluates it
+    after drafting position s from its confidence x: j = the confidence bin, prior = (pooled[j, 0] +
+    bin_prior min(1, x scale[s])) / (pooled[j, 1] + bin_prior), c = (binned[s, j, 0] + bin_prior
+    prior) / (binned[s, j, 1] + bin_prior) (`AcceptanceEstimator.calibrated`), a *= c, tau += a;
+    it drafts on iff a / tau > theta[s] (`DepthController.one_row_thresholds`)."""
+
+    binned: torch.Tensor  # [k, bins, 2] float64
+    pooled: torch.Tensor  # [bins, 2] float64
+    scale: torch.Tensor  # [k] float64
+    theta: torch.Tensor  # [k - 1] float64
+    bin_prior: float
+
+
+class DraftStopRule:
+    """D-Cut's drafting half for one step's proposal (`DepthController.keep_drafting`), called by
+    chain drafters after each drafter step. For one sequence it is a threshold per position, priced
+    once per proposal, which the C++ drafting chain can evaluate itself (`one_row`): the chain
+    then drafts in one call, not one call a step with this rule asked between them (traced with
+    EAGLE-3 at batch 1: 0.70 ms drafting 3.25 positions a step against 0.72 ms for 3.93 in one call,
+    plus 0.04 ms in the rule)."""
+
+    def __init__(self, depth: "DepthController"):
+        self.depth = depth
+        self._thresholds: list[float] | None = None
+
+    def thresholds(self) -> list[float]:
+        if self._thresholds is None:
+            self._thresholds = self.depth.one_row_thresholds()
+        return self._thresholds
+
+    def __call__(self, step: int, tops: list[list[float]], drafting: list[int]) -> list[int]:
+        if len(tops) != 1:
+            return self.depth.keep_drafting(step, tops, drafting)
+        if not drafting:
+            return []
+        a, tau = self.depth.one_row_survival(tops[0])
+        return drafting if a / tau > self.thresholds()[step] else []
+
+    def one_row(self) -> OneRowStop:
+        est = self.depth.estimator
+        return OneRowStop(torch.from_numpy(est.binned), torch.from_numpy(est.pooled),
+                          torch.tensor(est.scale(), dtype=torch.float64),
+                          torch.tensor(self.thresholds(), dtype=torch.float64), float(est.bin_prior))
 
 
 class DepthController:
@@ -117,9 +166,9 @@ class DepthController:
         return StepPlan([max(0, min(k, seq.room - 1)) for k, seq in zip(per_seq, seqs)], catching_up,
                         extra if catching_up else 0, prune)
 
-    def draft_stop(self, plan: StepPlan) -> DraftStop | None:
+    def draft_stop(self, plan: StepPlan) -> DraftStopRule | None:
         """The stop rule chain drafters apply after each drafter step this step (None: draft to the limit)."""
-        return self.keep_drafting if plan.prune_while_drafting else None
+        return DraftStopRule(self) if plan.prune_while_drafting else None
 
     def release(self, seq: Sequence) -> None:
         self.schedule_k.pop(seq.request_id, None)
@@ -182,6 +231,41 @@ class DepthController:
                 if rate > best_rate:
                     best_rate, best_m = rate, m
         return sorted(order[:best_m])
+
+    def one_row_thresholds(self) -> list[float]:
+        """`keep_drafting` for one sequence as a threshold per position: after drafting position s,
+        with survival a (its calibrated confidences' product) and tau = 1 + the survivals' sum, it
+        drafts on iff a / tau > theta[s]. Drafting j more positions raises the expected rate,
+        (tau + a G_j) / (F + j d + T(w + j)) > tau / (F + T(w)), iff a G_j (F + T(w)) > tau (j d +
+        T(w + j) - T(w)); G_j: the expected accepted tokens per unit survival after j more, F: the
+        drafting so far, d: one more drafter step, w = s + 2: the tokens verified now."""
+        d = self.draft_step_time(1)
+        out = []
+        for s in range(self.k - 1):
+            w = s + 2
+            now = self.cost.step_time(1, w)
+            base = self.draft_seconds(1, s + 1) + now
+            theta, gain, survive = math.inf, 0.0, 1.0
+            for j, rate in enumerate(self.estimator.rate[s + 1:], 1):
+                survive *= rate
+                gain += survive
+                extra = j * d + self.cost.step_time(1, w + j) - now
+                if gain > 0:
+                    theta = min(theta, extra / (gain * base))
+                elif extra < 0:  # cheaper and no worse: always worth it
+                    theta = -math.inf
+            out.append(theta)
+        return out
+
+    def one_row_survival(self, row: list[float]) -> tuple[float, float]:
+        """(survival of the last position, tau = 1 + the survivals' sum) of one sequence's drafter
+        confidences so far, calibrated (the C++ chain computes the same doubles in the same order)."""
+        scale = self.estimator.scale()
+        a, tau = 1.0, 1.0
+        for i, top in enumerate(row):
+            a *= self.estimator.calibrated(i, top, scale[i])
+            tau += a
+        return a, tau
 
     def catch_up_tokens(self, pending: list[int]) -> int:
         """Committed tokens the drafter must consume beyond a step's worth (<= k + 1 per sequence,

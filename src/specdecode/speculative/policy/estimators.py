@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 if TYPE_CHECKING:
     from specdecode.speculative.stats import SpecStats
 
@@ -94,10 +96,11 @@ class AcceptanceEstimator:
         self.mean_confidence = [None] * k  # [k] EMA of the drafter's confidence at position i
         self.decay = decay
         # Per confidence bin (equal widths over [0, 1]) of each position, and of all positions pooled:
-        # decayed sums [accepted, reached] (`calibrated`).
+        # decayed sums [accepted, reached] (`calibrated`); float64 arrays, which the C++ drafting chain
+        # reads as they are (D-Cut's stop rule at batch 1, `DraftStopRule`).
         self.bins, self.bin_decay, self.bin_prior = bins, bin_decay, bin_prior
-        self.binned = [[[0.0, 0.0] for _ in range(bins)] for _ in range(k)]
-        self.pooled = [[0.0, 0.0] for _ in range(bins)]
+        self.binned = np.zeros((k, bins, 2))  # [k, bins, (accepted, reached)]
+        self.pooled = np.zeros((bins, 2))  # [bins, (accepted, reached)]
 
     def update(self, num_draft: list[int], num_accepted: list[int], confidence: list[list[float]] | None = None) -> None:
         if max(num_draft, default=0) == 0:
@@ -106,7 +109,7 @@ class AcceptanceEstimator:
             for b, (n, a) in enumerate(zip(num_draft, num_accepted)):
                 for i in range(min(n, a + 1)):  # the positions verification reached
                     j = self._bin(confidence[b][i])
-                    for sums in (self.binned[i][j], self.pooled[j]):
+                    for sums in (self.binned[i, j], self.pooled[j]):  # views
                         sums[0] = self.bin_decay * sums[0] + (i < a)
                         sums[1] = self.bin_decay * sums[1] + 1.0
         for i in range(len(self.rate)):
@@ -166,9 +169,9 @@ class AcceptanceEstimator:
         The pooled bins matter because D-Cut verifies deep positions mostly where confidence is
         high; position 0, always verified, fills them for every confidence."""
         j = self._bin(x)
-        pooled_accepted, pooled_reached = self.pooled[j]
+        pooled_accepted, pooled_reached = self.pooled[j].tolist()
         prior = (pooled_accepted + self.bin_prior * min(1.0, x * scale)) / (pooled_reached + self.bin_prior)
-        accepted, reached = self.binned[i][j]
+        accepted, reached = self.binned[i, j].tolist()
         return (accepted + self.bin_prior * prior) / (reached + self.bin_prior)
 
     def calibrate(self, confidence: list[list[float]]) -> list[list[float]]:

@@ -117,13 +117,15 @@ class NativeDraftStep:
               cache_v: list[torch.Tensor]) -> int:
         """Draft row `row` of `chain` greedily: the first step feeds tokens [T] (and features [1, T, d])
         at drafter positions start .., step s + 1 the token drafted at s (and the drafter's output
-        there) at `next_start + s`. Without a stop rule (D-Cut) every step runs in one C++ call, p_min
-        applied there; with one, a call a step, the rule asked between them. Returns the number of
-        steps run."""
-        if chain.stop is None:
+        there) at `next_start + s`. Without a stop rule, or with D-Cut's (whose one-sequence form
+        the C++ chain evaluates), every step runs in one C++ call, p_min applied there; with another
+        rule, a call a step, the rule asked between them. Returns the number of steps run."""
+        one_row = getattr(chain.stop, "one_row", None)
+        if chain.stop is None or one_row is not None:
             ids = torch.tensor([tokens], dtype=torch.long)
+            rule = (None, None, None, None, 0.0) if one_row is None else one_row()
             drafted, tops = layers.draft_chain(self._step, cache_k, cache_v, ids, features, slot, start, next_start,
-                                               max_tokens[row], chain.p_min)
+                                               max_tokens[row], chain.p_min, *rule)
             for step, (token, top) in enumerate(zip(drafted, tops)):
                 chain.record([row], step, [token], [top])
             return len(drafted)
