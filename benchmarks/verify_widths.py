@@ -20,7 +20,7 @@ import torch
 from specdecode import LLM
 from specdecode.speculative.policy.cost_model import profile
 
-WIDTHS = [1, 2, 4, 8, 12, 16, 32]
+WIDTHS = [1, 2, 4, 5, 8, 9, 12, 16, 32]
 ENGINES = [("bf16 packed", None, "auto"), ("int8, int kernels", "int8", "quantized"), ("int8, auto", "int8", "auto"),
            ("int4-g32, int kernels", "int4", "quantized"), ("int4-g32, auto", "int4", "auto"), ("w8a8", "w8a8", "auto"),
            ("w4a8", "w4a8", "auto")]

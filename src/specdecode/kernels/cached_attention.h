@@ -19,7 +19,7 @@ namespace {
 // the flash kernel's mostly fixed; measured (8/4 heads of 64, 2 threads) 2.5x faster at 2 rows,
 // 1.1-1.7x at 10, even at 16 over 600 keys (fp32 scores). 16 until a limit of 8 tokens at group 2
 // sent every 9-token verification (n-gram k = 8) down the eager path with PyTorch's kernel (W4A8,
-// default model: 1.94 ms against 0.98 at 5 tokens). Measured then, ours / flash (us, 2 threads,
+// default model: 1.94 ms against 0.96 at 5 tokens). Measured then, ours / flash (us, 2 threads,
 // 4 KV heads of 64, causal tail): 34 rows bf16 35 / 66 over 128 keys, 254 / 378 over 1,024, 525 / 756
 // over 2,000; fp32 44 / 66, 321 / 365, 678 / 720. At 48 rows fp32 over 2,000 keys ours lost (880 /
 // 858), bf16 still won (710 / 931). 40 covers 17 tokens at group 2 and 9 at group 4.

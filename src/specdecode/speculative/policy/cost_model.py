@@ -12,7 +12,7 @@ only ever adds time), and the table is made monotone: a forward never costs less
 sequences or more tokens, so a noisy point is replaced by the cheaper larger one. Results are
 cached per model (path + weights' mtime), dtype, device, torch version, thread count and the
 forward's C++ kernels (a kernel change moves step times: a cached profile priced 9-token forwards
-at twice what they cost once the attention kernel served them), in $SPECDECODE_CACHE (default
+at 1.4-1.5x what they cost once the attention kernel served them), in $SPECDECODE_CACHE (default
 ~/.cache/specdecode).
 """
 
