@@ -65,6 +65,9 @@ def test_draft_cost_separates_a_fixed_part_from_the_per_position_part():
     for _ in range(50):  # always 4 deep: the parts cannot be told apart, the average stands
         same.observe(4, 1.2)
     assert same.per_step == pytest.approx(0.3) and same.fixed == 0.0
+    for _ in range(200):  # then always 4 deep (D-Cut planning k most steps): the learned split stands
+        cost.observe(4, 0.15 + 0.3 * 4)
+    assert cost.per_step == pytest.approx(0.3, rel=0.02) and cost.fixed == pytest.approx(0.15, rel=0.05)
 
 
 def test_profile_noise_is_removed_by_monotonicity():
@@ -114,6 +117,8 @@ def test_drafter_catch_up_is_priced_and_amortised():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, draft_length_schedule="auto")
 
     class Seq:
+        output_token_ids: list[int] = []  # every pending token is the prompt's
+
         def __init__(self, room):
             self.room = room
 
@@ -140,6 +145,7 @@ def test_a_catch_up_is_priced_by_what_catch_ups_measured():
 
     class Seq:
         room = 10_000
+        output_token_ids: list[int] = []
 
     depth = DepthController(config, lambda: cost, draft_cost_prior=0.3)
     prior = depth.catch_up_time([205])  # 200 tokens beyond a step's worth
@@ -167,6 +173,34 @@ def test_a_probe_waits_for_its_catch_up_at_most_max_wait_decisions():
     guard.observe(1, drafted=False, tokens=1, seconds=0.004)  # drafting loses
     drafted = [i for i in range(1, 301) if guard.choose(1, 4, switch_steps=0.05 * (i + 100)) > 0]
     assert drafted[:4] == [200, 201, 202, 203]
+
+
+def test_a_probe_waits_for_a_prompts_catch_up_not_for_one_over_tokens_decoded_while_drafting_was_off():
+    """Waiting saves a catch-up over a prompt (the request may end first); one over tokens decoded
+    while drafting was off is owed whenever drafting resumes and grows with the wait, so it does
+    not hold a re-measurement back (at ~0.04 steps a token, above the 3% budget, it held one back
+    until the next request's start)."""
+    cost = CostModel({1: {1: 0.010, 5: 0.011, 32: 0.040}}, 128)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
+
+    class Seq:
+        room = 10_000
+
+        def __init__(self, outputs):
+            self.output_token_ids = [0] * outputs
+
+    def losing():
+        depth = DepthController(config, lambda: cost, draft_cost_prior=0.3)
+        depth.catch_up_cost.per_token = 0.04
+        depth.guard = type(depth.guard)(4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
+        depth.guard.observe(1, drafted=True, tokens=1, seconds=0.030)
+        depth.guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # drafting lost
+        return depth
+
+    decoded = losing()  # 100 tokens decoded since drafting stopped, all pending
+    assert [i for i in range(1, 9) if decoded.plan([Seq(outputs=200)], [100 + i]).drafts] == [4, 5, 6, 7]
+    prompt = losing()  # a new request: its 100-token prompt pending, 40 x 0.04 x 100 steps until it fits 3%
+    assert [i for i in range(1, 9) if prompt.plan([Seq(outputs=i)], [100 + i]).drafts] == []
 
 
 def test_auto_k_explores_at_batch_1_before_any_measurement():
@@ -229,6 +263,38 @@ def test_dcut_keeps_prefixes_and_first_positions():
     cut = dcut_lengths(conf, [4, 4, 4], LINEAR, 0.0)
     assert cut[0] >= cut[2] >= cut[1] == 1  # every request keeps its first position
     assert dcut_lengths(conf, [4, 0, 2], LINEAR, 0.0)[1] == 0
+
+
+def test_acceptance_per_position_is_learned_only_from_drafts_the_stop_rule_did_not_shape():
+    """Where D-Cut's stop rule decided how deep each row drafted, a row reached position i because
+    its earlier confidences were high: its acceptance there is a selected sample, and the rule's
+    lookahead, priced with it, fed back on itself (traced at batch 1: position 1 at 19%, so drafts
+    stopped after one token that was then accepted 87% of the time). Those steps calibrate the
+    confidence bins only; every 4th step the rule would shape drafts to the planned depth instead."""
+    config = SpeculativeConfig(method="draft_model", num_speculative_tokens=4, verify_pruning="dcut")
+    depth = DepthController(config, lambda: FREE_VERIFY, draft_cost_prior=0.01)
+
+    class Seq:
+        room = 100
+        output_token_ids: list[int] = []
+
+    plans = [depth.plan([Seq()], [1]) for _ in range(8)]
+    assert [p.prune_while_drafting for p in plans] == [True, True, True, False] * 2
+    stopped, unstopped = plans[0], plans[3]
+    rule = depth.draft_stop(stopped)
+    assert depth.draft_stop(stopped) is rule and depth.draft_stop(unstopped) is None
+    rule(0, [[0.9]], [0])  # the proposal asked the rule
+    before, bins = list(depth.estimator.rate), depth.estimator.pooled.copy()
+    depth.update(stopped, [Seq()], [2], [0], draft_seconds=0.0, num_draft_steps=2, confidence=[[0.9, 0.9]])
+    assert depth.estimator.rate == before  # a selected sample: not learned per position
+    assert depth.estimator.pooled.sum() > bins.sum()  # the draft's own confidence still calibrates
+    depth.update(unstopped, [Seq()], [2], [0], draft_seconds=0.0, num_draft_steps=2, confidence=[[0.9, 0.9]])
+    assert depth.estimator.rate[0] < before[0]
+    never_asked = depth.plan([Seq()], [1])  # a stoppable step whose proposal never consulted its rule
+    depth.draft_stop(never_asked)
+    rate = depth.estimator.rate[0]
+    depth.update(never_asked, [Seq()], [1], [0], draft_seconds=0.0, num_draft_steps=1, confidence=[[0.9]])
+    assert depth.estimator.rate[0] < rate
 
 
 @pytest.mark.parametrize("config", [
@@ -464,8 +530,54 @@ def test_measured_guard_needs_several_steps_per_arm():
     assert [guard.choose(1, 3) for _ in range(3)] == [3, 3, 3]
     for _ in range(2):
         guard.observe(1, drafted=True, tokens=5, seconds=0.025)  # typical drafting steps: 200 tok/s
-    assert guard.rate(1, True) == pytest.approx(12 / 0.110)  # the first steps averaged equally
+    # Summed with weights decayed by 0.95 per step measured since (either arm's): 7, 6, 1, 0 steps.
+    w = [0.95 ** 7, 0.95 ** 6, 0.95, 1.0]
+    tokens, seconds = [1, 1, 5, 5], [0.030, 0.030, 0.025, 0.025]
+    expected = sum(a * b for a, b in zip(w, tokens)) / sum(a * b for a, b in zip(w, seconds))
+    assert guard.rate(1, True) == pytest.approx(expected)
     assert guard.rate(1, True) > guard.rate(1, False)
+
+
+def test_an_arm_re_measured_after_a_long_spell_of_the_other_is_measured_as_it_is_now():
+    """The decay runs on the bucket's steps, not the arm's own: drafting's first steps (nothing
+    accepted, traced at batch 1) must not outweigh a re-measurement a thousand plain steps later."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, min_samples=4)
+    for _ in range(4):
+        guard.observe(1, drafted=True, tokens=1, seconds=0.025)  # 40 tok/s: nothing accepted
+    for _ in range(1000):
+        guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # 100 tok/s plain
+    assert guard.loses(1)
+    for _ in range(3):  # a burst re-measures drafting: 160 tok/s
+        guard.observe(1, drafted=True, tokens=4, seconds=0.025)
+    assert guard.rate(1, True) == pytest.approx(160, rel=1e-6)
+    assert not guard.loses(1)
+    for _ in range(3):  # a plain burst right after: plain's own old steps still count (decayed by 3-5 steps)
+        guard.observe(1, drafted=False, tokens=1, seconds=0.020)
+    assert 50 < guard.rate(1, False) < 100
+
+
+def test_the_models_no_is_re_measured_soon_where_drafting_measured_faster():
+    """auto-k / D-Cut decline from acceptance estimates that nothing refreshes while nothing is
+    drafted; where drafting has measured faster than plain decoding, their "no" is re-measured by a
+    burst at full depth after 4 consecutive declines, then 8, 16, ..., back to 4 once they draft."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=1000, probe_every=1000, first_explore=4, min_samples=1,
+                          max_interval=16)
+    guard.observe(1, drafted=True, tokens=3, seconds=0.02)  # 150 tok/s drafting
+    guard.observe(1, drafted=False, tokens=1, seconds=0.01)  # 100 tok/s plain
+    guard.interval[1] = 1000  # drafting's wins backed the exploration interval off
+    choices = [guard.choose(1, 0) for _ in range(60)]
+    assert [i + 1 for i, k in enumerate(choices) if k] == [4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
+    assert set(choices) == {0, 4}
+    assert guard.choose(1, 3) == 3  # the model drafts again: the next refresh is 4 declines away
+    assert [guard.choose(1, 0) for _ in range(5)] == [0, 0, 0, 4, 4]
+    losing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=1000, first_explore=4, min_samples=1)
+    losing.observe(1, drafted=True, tokens=1, seconds=0.02)
+    losing.observe(1, drafted=False, tokens=1, seconds=0.01)  # drafting measured slower: the "no" stands
+    assert [losing.choose(1, 0) for _ in range(20)] == [0] * 20
 
 
 def test_measured_guard_measures_both_arms_early():
@@ -509,7 +621,7 @@ def test_the_guard_counts_only_steps_after_a_step_of_the_same_arm():
     assert depth.guard.rate(1, True) is None and depth.guard.rate(1, False) is None
     for _ in range(5):
         depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
-    assert depth.guard.sums[1, False][2] == 4  # the first plain step of the run followed a drafting step
+    assert depth.guard.sums[1, False][3] == 4  # the first plain step of the run followed a drafting step
     assert depth.guard.rate(1, False) is not None and depth.guard.rate(1, True) is None
 
 
@@ -526,6 +638,7 @@ def test_dcut_re_measures_drafting_where_it_declines_and_drafting_lost():
 
     class Seq:
         room = 100
+        output_token_ids: list[int] = []
 
     plans = [depth.plan([Seq()], [1]) for _ in range(16)]
     assert [p.max_tokens[0] for p in plans] == [0, 0, 0] + [4] * 4 + [0] * 7 + [4] * 2  # after 4, then 8 decisions

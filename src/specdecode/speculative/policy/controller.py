@@ -45,6 +45,7 @@ class StepPlan:
     catching_up: bool = False
     catch_up_tokens: int = 0  # when catching up: the committed tokens beyond a step's worth it consumes
     prune_while_drafting: bool = False  # D-Cut stops unpromising rows while drafting (not on a guard probe)
+    stop_rule: "DraftStopRule | None" = None  # the rule this step's proposal was given (`draft_stop`)
 
     @property
     def drafts(self) -> bool:
@@ -78,6 +79,7 @@ class DraftStopRule:
     def __init__(self, depth: "DepthController"):
         self.depth = depth
         self._thresholds: list[float] | None = None
+        self.asked = False  # whether the proposal consulted it (then which positions were drafted depends on it)
 
     def thresholds(self) -> list[float]:
         if self._thresholds is None:
@@ -85,6 +87,7 @@ class DraftStopRule:
         return self._thresholds
 
     def __call__(self, step: int, tops: list[list[float]], drafting: list[int]) -> list[int]:
+        self.asked = True
         if len(tops) != 1:
             return self.depth.keep_drafting(step, tops, drafting)
         if not drafting:
@@ -93,6 +96,7 @@ class DraftStopRule:
         return drafting if a / tau > self.thresholds()[step] else []
 
     def one_row(self) -> OneRowStop:
+        self.asked = True
         est = self.depth.estimator
         return OneRowStop(torch.from_numpy(est.binned), torch.from_numpy(est.pooled),
                           torch.tensor(est.scale(), dtype=torch.float64),
@@ -125,6 +129,10 @@ class DepthController:
         self._cost_model_loader = cost_model_loader
         self._cost = None
         self.guard = MeasuredGuard(self.k)
+        # Every `unstopped_every`-th step D-Cut would stop rows while drafting drafts them to the planned
+        # depth instead: only such steps measure acceptance per position (`update`).
+        self.unstopped_every = 4
+        self._stoppable_plans = 0
         self._last_arm: tuple[int, bool] | None = None  # the last step's (batch-size bucket, drafted)
         self.schedule_k: dict[str, int] = {}  # heuristic schedule: request id -> its current k
 
@@ -154,10 +162,19 @@ class DepthController:
             step = self.cost.step_time(B, B)
             k = auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up, remaining,
                        draft_fixed=self.draft_cost.fixed * step)
-            chosen = self.guard.choose(B, k, switch_steps=catch_up / step)
+            # What waiting can save is the catch-up over prompts: one over tokens decoded while drafting was
+            # off is owed whenever drafting resumes and only grows with waiting (EAGLE-3 at batch 1: ~0.04
+            # steps a token, above the guard's 3% budget, so a probe waited for the next request's start,
+            # ~400 plain steps after a bad patch of one request had made drafting measure slower).
+            prompt_tokens = sum(max(0, n - len(seq.output_token_ids)) for n, seq in zip(pending, seqs))
+            switch = self._catch_up_seconds(min(extra, prompt_tokens), B)
+            chosen = self.guard.choose(B, k, switch_steps=switch / step)
             catching_up = chosen > 0 and catch_up > 0
             # A guard probe (deeper than chosen) measures acceptance: drafting must not stop it early.
             prune = self.pruning == "dcut" and chosen <= k
+            if prune:
+                self._stoppable_plans += 1
+                prune = self._stoppable_plans % self.unstopped_every != 0
             per_seq = [chosen] * B
         elif self.schedule == "heuristic":
             per_seq = [self.schedule_k.get(seq.request_id, self.k) for seq in seqs]
@@ -168,7 +185,9 @@ class DepthController:
 
     def draft_stop(self, plan: StepPlan) -> DraftStopRule | None:
         """The stop rule chain drafters apply after each drafter step this step (None: draft to the limit)."""
-        return DraftStopRule(self) if plan.prune_while_drafting else None
+        if plan.prune_while_drafting and plan.stop_rule is None:
+            plan.stop_rule = DraftStopRule(self)
+        return plan.stop_rule
 
     def release(self, seq: Sequence) -> None:
         self.schedule_k.pop(seq.request_id, None)
@@ -298,7 +317,14 @@ class DepthController:
     def update(self, plan: StepPlan, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int],
                draft_seconds: float, num_draft_steps: int, confidence: list[list[float]] | None = None,
                step_seconds: float | None = None) -> None:
-        self.estimator.update(num_draft, num_accepted, confidence)
+        # Where the stop rule shaped the drafts, which rows reached position i depended on their earlier
+        # confidences: their acceptance there is a selected sample, and the rule's own lookahead priced with
+        # it fed back on itself (traced, EAGLE-3 D-Cut at batch 1: rows went on past position 0 only when
+        # the drafter was sure of it, mostly formatting tokens, after which position 1 was accepted 19% of
+        # the time; priced at that, the rule stopped 199 of 751 drafts after one token that was then accepted
+        # 87% of the time, 0.83x fixed k's speed). Each draft's own confidence still calibrates (per bin).
+        selected = plan.stop_rule is not None and plan.stop_rule.asked
+        self.estimator.update(num_draft, num_accepted, confidence, per_position=not selected)
         arm = (len(seqs).bit_length(), sum(num_draft) > 0)
         steady, self._last_arm = arm == self._last_arm, arm  # the guard's rates exclude switching steps
         if step_seconds and not plan.catching_up and steady:  # a catch-up is a one-time cost, priced by auto_k

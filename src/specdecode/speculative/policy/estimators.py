@@ -32,10 +32,12 @@ class DraftCost:
     (steps, cost) of past proposals. The draft model at batch 1 averaged
     3.6 ms per position in 4-deep proposals and 4.2 ms in 1.7-deep ones (about 1.7 ms fixed +
     3.2 ms per position): one average per step, what this replaces, made long drafts look dear.
-    Proposals that all had the same depth cannot separate the parts: the average stands."""
+    Proposals that all had the same depth cannot separate the parts: the last split made by
+    proposals of different depths stands, scaled to their mean cost (before any, the average)."""
 
     def __init__(self, prior_per_step: float, weight: float = 0.1):
         self.per_step, self.fixed = prior_per_step, 0.0
+        self.split = False  # whether proposals of different depths have separated the parts yet
         self.weight = weight
         self.moments: list[float] | None = None  # EMA of [n, y, n*n, n*y]
 
@@ -49,8 +51,17 @@ class DraftCost:
         average = mean_y / mean_n  # per step, everything included
         variance = m[2] - mean_n * mean_n
         if variance < 0.1:
-            self.per_step, self.fixed = average, 0.0
+            # Depths too alike to separate the parts: the last split, scaled to the mean cost. The average
+            # alone charged a proposal's fixed part to every position (traced, EAGLE-3 D-Cut at batch 1,
+            # nearly all proposals 4 deep: 0.41 steps a position against ~0.12 once separated), so D-Cut
+            # stopped drafts and auto-k shortened them where the next position paid.
+            priced = self.fixed + self.per_step * mean_n
+            if self.split and priced > 0:
+                self.per_step, self.fixed = self.per_step * mean_y / priced, self.fixed * mean_y / priced
+            else:
+                self.per_step, self.fixed = average, 0.0
             return
+        self.split = True
         slope = (m[3] - mean_n * mean_y) / variance
         # Noise must not make deeper drafts look free: a position costs at least a third of the average.
         self.per_step = min(average, max(slope, average / 3))
@@ -102,7 +113,10 @@ class AcceptanceEstimator:
         self.binned = np.zeros((k, bins, 2))  # [k, bins, (accepted, reached)]
         self.pooled = np.zeros((bins, 2))  # [bins, (accepted, reached)]
 
-    def update(self, num_draft: list[int], num_accepted: list[int], confidence: list[list[float]] | None = None) -> None:
+    def update(self, num_draft: list[int], num_accepted: list[int], confidence: list[list[float]] | None = None,
+               per_position: bool = True) -> None:
+        """per_position=False: only the confidence bins learn (which positions were drafted was selected
+        by the drafts' confidences, so the rates per position would be biased)."""
         if max(num_draft, default=0) == 0:
             return  # a plain step says nothing about acceptance
         if confidence is not None:
@@ -112,6 +126,8 @@ class AcceptanceEstimator:
                     for sums in (self.binned[i, j], self.pooled[j]):  # views
                         sums[0] = self.bin_decay * sums[0] + (i < a)
                         sums[1] = self.bin_decay * sums[1] + 1.0
+        if not per_position:
+            return
         for i in range(len(self.rate)):
             rows = [b for b, (n, a) in enumerate(zip(num_draft, num_accepted)) if n > i and a >= i]
             if not rows:
