@@ -171,36 +171,8 @@ def test_a_probe_waits_for_its_catch_up_at_most_max_wait_decisions():
     guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1, max_wait=200)
     guard.observe(1, drafted=True, tokens=2, seconds=0.010)
     guard.observe(1, drafted=False, tokens=1, seconds=0.004)  # drafting loses
-    drafted = [i for i in range(1, 301) if guard.choose(1, 4, switch_steps=0.05 * (i + 100)) > 0]
+    drafted = [i for i in range(1, 301) if guard.choose(1, 4, switch_steps=0.15 * (i + 100)) > 0]
     assert drafted[:4] == [200, 201, 202, 203]
-
-
-def test_a_probe_waits_for_a_prompts_catch_up_not_for_one_over_tokens_decoded_while_drafting_was_off():
-    """Waiting saves a catch-up over a prompt (the request may end first); one over tokens decoded
-    while drafting was off is owed whenever drafting resumes and grows with the wait, so it does
-    not hold a re-measurement back (at ~0.04 steps a token, above the 3% budget, it held one back
-    until the next request's start)."""
-    cost = CostModel({1: {1: 0.010, 5: 0.011, 32: 0.040}}, 128)
-    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
-
-    class Seq:
-        room = 10_000
-
-        def __init__(self, outputs):
-            self.output_token_ids = [0] * outputs
-
-    def losing():
-        depth = DepthController(config, lambda: cost, draft_cost_prior=0.3)
-        depth.catch_up_cost.per_token = 0.04
-        depth.guard = type(depth.guard)(4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
-        depth.guard.observe(1, drafted=True, tokens=1, seconds=0.030)
-        depth.guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # drafting lost
-        return depth
-
-    decoded = losing()  # 100 tokens decoded since drafting stopped, all pending
-    assert [i for i in range(1, 9) if decoded.plan([Seq(outputs=200)], [100 + i]).drafts] == [4, 5, 6, 7]
-    prompt = losing()  # a new request: its 100-token prompt pending, 40 x 0.04 x 100 steps until it fits 3%
-    assert [i for i in range(1, 9) if prompt.plan([Seq(outputs=i)], [100 + i]).drafts] == []
 
 
 def test_auto_k_explores_at_batch_1_before_any_measurement():
@@ -479,7 +451,7 @@ def test_measured_guard_backs_off_re_measuring_plain_decoding_while_drafting_kee
 
 def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
     """Re-measuring drafting where it loses (or probing acceptance) first pays the drafter's
-    catch-up over everything decoded since it stopped: it waits until that is at most 3% of the
+    catch-up over everything decoded since it stopped: it waits until that is at most 10% of the
     decisions since the last probe. Where nothing is due, the guard declines whatever k is."""
     from specdecode.speculative.policy.guard import MeasuredGuard
 
@@ -492,10 +464,10 @@ def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
     cheap = losing_guard()
     assert [i for i in range(1, 61) if cheap.choose(4, 2, switch_steps=0.05) > 0] == [
         4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
-    dear = losing_guard()  # a catch-up worth 3 plain steps: the burst starts 100 decisions in
-    assert [i for i in range(1, 121) if dear.choose(4, 2, switch_steps=3.0) > 0] == [100, 101, 102, 103]
+    dear = losing_guard()  # a catch-up worth 3 plain steps: the burst starts 30 decisions in
+    assert [i for i in range(1, 61) if dear.choose(4, 2, switch_steps=3.0) > 0] == [30, 31, 32, 33]
     probe = losing_guard()  # the model declined: its re-measurement waits the same way
-    assert [i for i in range(1, 201) if probe.choose(4, 0, switch_steps=3.0) > 0] == [100, 101, 102, 103]
+    assert [i for i in range(1, 61) if probe.choose(4, 0, switch_steps=3.0) > 0] == [30, 31, 32, 33]
     declining = losing_guard()
     assert [declining.declines(4) for _ in range(3)] == [True] * 3  # asking changes nothing
     assert [(declining.declines(4), declining.choose(4, 2)) for _ in range(4)] == [(True, 0)] * 3 + [(False, 2)]

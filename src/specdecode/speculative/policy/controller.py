@@ -162,13 +162,7 @@ class DepthController:
             step = self.cost.step_time(B, B)
             k = auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up, remaining,
                        draft_fixed=self.draft_cost.fixed * step)
-            # What waiting can save is the catch-up over prompts: one over tokens decoded while drafting was
-            # off is owed whenever drafting resumes and only grows with waiting (EAGLE-3 at batch 1: ~0.04
-            # steps a token, above the guard's 3% budget, so a probe waited for the next request's start,
-            # ~400 plain steps after a bad patch of one request had made drafting measure slower).
-            prompt_tokens = sum(max(0, n - len(seq.output_token_ids)) for n, seq in zip(pending, seqs))
-            switch = self._catch_up_seconds(min(extra, prompt_tokens), B)
-            chosen = self.guard.choose(B, k, switch_steps=switch / step)
+            chosen = self.guard.choose(B, k, switch_steps=catch_up / step)
             catching_up = chosen > 0 and catch_up > 0
             # A guard probe (deeper than chosen) measures acceptance: drafting must not stop it early.
             prune = self.pruning == "dcut" and chosen <= k
