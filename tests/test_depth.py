@@ -117,8 +117,6 @@ def test_drafter_catch_up_is_priced_and_amortised():
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, draft_length_schedule="auto")
 
     class Seq:
-        output_token_ids: list[int] = []  # every pending token is the prompt's
-
         def __init__(self, room):
             self.room = room
 
@@ -145,7 +143,6 @@ def test_a_catch_up_is_priced_by_what_catch_ups_measured():
 
     class Seq:
         room = 10_000
-        output_token_ids: list[int] = []
 
     depth = DepthController(config, lambda: cost, draft_cost_prior=0.3)
     prior = depth.catch_up_time([205])  # 200 tokens beyond a step's worth
@@ -171,7 +168,7 @@ def test_a_probe_waits_for_its_catch_up_at_most_max_wait_decisions():
     guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1, max_wait=200)
     guard.observe(1, drafted=True, tokens=2, seconds=0.010)
     guard.observe(1, drafted=False, tokens=1, seconds=0.004)  # drafting loses
-    drafted = [i for i in range(1, 301) if guard.choose(1, 4, switch_steps=0.15 * (i + 100)) > 0]
+    drafted = [i for i in range(1, 301) if guard.choose(1, 4, switch_steps=0.05 * (i + 100)) > 0]
     assert drafted[:4] == [200, 201, 202, 203]
 
 
@@ -451,7 +448,7 @@ def test_measured_guard_backs_off_re_measuring_plain_decoding_while_drafting_kee
 
 def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
     """Re-measuring drafting where it loses (or probing acceptance) first pays the drafter's
-    catch-up over everything decoded since it stopped: it waits until that is at most 10% of the
+    catch-up over everything decoded since it stopped: it waits until that is at most 3% of the
     decisions since the last probe. Where nothing is due, the guard declines whatever k is."""
     from specdecode.speculative.policy.guard import MeasuredGuard
 
@@ -464,10 +461,10 @@ def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
     cheap = losing_guard()
     assert [i for i in range(1, 61) if cheap.choose(4, 2, switch_steps=0.05) > 0] == [
         4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
-    dear = losing_guard()  # a catch-up worth 3 plain steps: the burst starts 30 decisions in
-    assert [i for i in range(1, 61) if dear.choose(4, 2, switch_steps=3.0) > 0] == [30, 31, 32, 33]
+    dear = losing_guard()  # a catch-up worth 3 plain steps: the burst starts 100 decisions in
+    assert [i for i in range(1, 121) if dear.choose(4, 2, switch_steps=3.0) > 0] == [100, 101, 102, 103]
     probe = losing_guard()  # the model declined: its re-measurement waits the same way
-    assert [i for i in range(1, 61) if probe.choose(4, 0, switch_steps=3.0) > 0] == [30, 31, 32, 33]
+    assert [i for i in range(1, 201) if probe.choose(4, 0, switch_steps=3.0) > 0] == [100, 101, 102, 103]
     declining = losing_guard()
     assert [declining.declines(4) for _ in range(3)] == [True] * 3  # asking changes nothing
     assert [(declining.declines(4), declining.choose(4, 2)) for _ in range(4)] == [(True, 0)] * 3 + [(False, 2)]
@@ -502,54 +499,8 @@ def test_measured_guard_needs_several_steps_per_arm():
     assert [guard.choose(1, 3) for _ in range(3)] == [3, 3, 3]
     for _ in range(2):
         guard.observe(1, drafted=True, tokens=5, seconds=0.025)  # typical drafting steps: 200 tok/s
-    # Summed with weights decayed by 0.95 per step measured since (either arm's): 7, 6, 1, 0 steps.
-    w = [0.95 ** 7, 0.95 ** 6, 0.95, 1.0]
-    tokens, seconds = [1, 1, 5, 5], [0.030, 0.030, 0.025, 0.025]
-    expected = sum(a * b for a, b in zip(w, tokens)) / sum(a * b for a, b in zip(w, seconds))
-    assert guard.rate(1, True) == pytest.approx(expected)
+    assert guard.rate(1, True) == pytest.approx(12 / 0.110)  # the first steps averaged equally
     assert guard.rate(1, True) > guard.rate(1, False)
-
-
-def test_an_arm_re_measured_after_a_long_spell_of_the_other_is_measured_as_it_is_now():
-    """The decay runs on the bucket's steps, not the arm's own: drafting's first steps (nothing
-    accepted, traced at batch 1) must not outweigh a re-measurement a thousand plain steps later."""
-    from specdecode.speculative.policy.guard import MeasuredGuard
-
-    guard = MeasuredGuard(k_max=4, min_samples=4)
-    for _ in range(4):
-        guard.observe(1, drafted=True, tokens=1, seconds=0.025)  # 40 tok/s: nothing accepted
-    for _ in range(1000):
-        guard.observe(1, drafted=False, tokens=1, seconds=0.010)  # 100 tok/s plain
-    assert guard.loses(1)
-    for _ in range(3):  # a burst re-measures drafting: 160 tok/s
-        guard.observe(1, drafted=True, tokens=4, seconds=0.025)
-    assert guard.rate(1, True) == pytest.approx(160, rel=1e-6)
-    assert not guard.loses(1)
-    for _ in range(3):  # a plain burst right after: plain's own old steps still count (decayed by 3-5 steps)
-        guard.observe(1, drafted=False, tokens=1, seconds=0.020)
-    assert 50 < guard.rate(1, False) < 100
-
-
-def test_the_models_no_is_re_measured_soon_where_drafting_measured_faster():
-    """auto-k / D-Cut decline from acceptance estimates that nothing refreshes while nothing is
-    drafted; where drafting has measured faster than plain decoding, their "no" is re-measured by a
-    burst at full depth after 4 consecutive declines, then 8, 16, ..., back to 4 once they draft."""
-    from specdecode.speculative.policy.guard import MeasuredGuard
-
-    guard = MeasuredGuard(k_max=4, explore_every=1000, probe_every=1000, first_explore=4, min_samples=1,
-                          max_interval=16)
-    guard.observe(1, drafted=True, tokens=3, seconds=0.02)  # 150 tok/s drafting
-    guard.observe(1, drafted=False, tokens=1, seconds=0.01)  # 100 tok/s plain
-    guard.interval[1] = 1000  # drafting's wins backed the exploration interval off
-    choices = [guard.choose(1, 0) for _ in range(60)]
-    assert [i + 1 for i, k in enumerate(choices) if k] == [4, 5, 6, 7, 15, 16, 17, 18, 34, 35, 36, 37, 53, 54, 55, 56]
-    assert set(choices) == {0, 4}
-    assert guard.choose(1, 3) == 3  # the model drafts again: the next refresh is 4 declines away
-    assert [guard.choose(1, 0) for _ in range(5)] == [0, 0, 0, 4, 4]
-    losing = MeasuredGuard(k_max=4, explore_every=1000, probe_every=1000, first_explore=4, min_samples=1)
-    losing.observe(1, drafted=True, tokens=1, seconds=0.02)
-    losing.observe(1, drafted=False, tokens=1, seconds=0.01)  # drafting measured slower: the "no" stands
-    assert [losing.choose(1, 0) for _ in range(20)] == [0] * 20
 
 
 def test_measured_guard_measures_both_arms_early():
@@ -593,7 +544,7 @@ def test_the_guard_counts_only_steps_after_a_step_of_the_same_arm():
     assert depth.guard.rate(1, True) is None and depth.guard.rate(1, False) is None
     for _ in range(5):
         depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
-    assert depth.guard.sums[1, False][3] == 4  # the first plain step of the run followed a drafting step
+    assert depth.guard.sums[1, False][2] == 4  # the first plain step of the run followed a drafting step
     assert depth.guard.rate(1, False) is not None and depth.guard.rate(1, True) is None
 
 
@@ -610,7 +561,6 @@ def test_dcut_re_measures_drafting_where_it_declines_and_drafting_lost():
 
     class Seq:
         room = 100
-        output_token_ids: list[int] = []
 
     plans = [depth.plan([Seq()], [1]) for _ in range(16)]
     assert [p.max_tokens[0] for p in plans] == [0, 0, 0] + [4] * 4 + [0] * 7 + [4] * 2  # after 4, then 8 decisions

@@ -13,8 +13,7 @@ class MeasuredGuard:
     +-25% over tens of seconds), and a marginal call between drafting and plain decoding
     flips on errors that small. So, per batch-size bucket (powers of two), it keeps the
     measured committed tokens per second of steps that drafted and of steps that did not
-    (decayed per step measured in the bucket, whichever arm took it: an arm's rate is what it
-    measured last), and lets the policy draft only where drafting has not measured slower. Every
+    (EMA), and lets the policy draft only where drafting has not measured slower. Every
     `explore_every`-th decision in a bucket (the `first_explore`-th while an arm is still
     unmeasured) takes the other arm for `burst` steps, so both figures stay current
     (the cost of being wrong is bounded by that fraction of steps). The interval doubles up
@@ -41,7 +40,7 @@ class MeasuredGuard:
 
     def __init__(self, k_max: int, explore_every: int = 32, probe_every: int = 4, weight: float = 0.05,
                  margin: float = 0.97, max_interval: int = 1024, burst: int = 4, first_explore: int = 4,
-                 min_samples: int = 4, switch_budget: float = 0.1, max_wait: int = 2048):
+                 min_samples: int = 4, switch_budget: float = 0.03, max_wait: int = 2048):
         self.k_max = k_max
         # Steps per re-measurement of the other arm: its first pays the switch (a drafter catch-up,
         # caches cold for the other model) and is not measured (DepthController.update).
@@ -57,9 +56,10 @@ class MeasuredGuard:
         # Until both arms are measured in a bucket, the other arm is tried after this many decisions:
         # a batch of 16 fresh requests drafting on an optimistic prior ran a whole round at 0.7x.
         self.first_explore = first_explore
-        # An arm's rate counts once it has this many steps: a verdict from one drafting step with no
-        # draft accepted (traced: EAGLE-3 at batch 1, 2 drafting steps vs 1 plain step) stopped
-        # drafting where it pays 1.3x.
+        # An arm's rate counts once it has this many steps, averaged equally until the EMA takes
+        # over: a verdict from one drafting step with no draft accepted (traced: EAGLE-3 at batch 1,
+        # 2 drafting steps vs 1 plain step) stopped drafting where it pays 1.3x, and the EMA took
+        # hundreds of decisions to forget it.
         self.min_samples = min_samples
         self.max_interval = max_interval
         self.interval: dict[int, int] = {}  # bucket -> decisions between explorations (backs off while drafting loses)
@@ -67,22 +67,14 @@ class MeasuredGuard:
         self.probe_every = probe_every
         self.weight = weight
         self.margin = margin  # drafting must measure below margin x plain to be stopped (per-step rates are noisy)
-        # (bucket, drafted) -> [tokens, seconds, weight] summed over the arm's steps, each decayed by (1 - weight)
-        # per step measured in the bucket since (either arm's); then the arm's steps, the bucket's step count
-        # at its last one
-        self.sums: dict[tuple[int, bool], list[float]] = {}
-        self.measured_steps: dict[int, int] = {}  # bucket -> steps measured (both arms)
+        self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, drafted) -> EMA [tokens, seconds], steps
         self.decisions: dict[int, int] = {}  # bucket -> decisions seen
-        # Where drafting measured faster and the model declines anyway (`_refresh_due`): bucket -> the
-        # model's consecutive declines since its last refresh, and the declines before the next one.
-        self.declined: dict[int, int] = {}
-        self.refresh: dict[int, int] = {}
 
     def rate(self, bucket: int, drafted: bool) -> float | None:
-        """Measured committed tokens per second (a ratio of decayed sums: a step's weight is its length);
+        """Measured committed tokens per second (a ratio of EMA sums: a step's weight is its length);
         None until `min_samples` steps were measured."""
         sums = self.sums.get((bucket, drafted))
-        return None if sums is None or sums[3] < self.min_samples else sums[0] / sums[1]
+        return None if sums is None or sums[2] < self.min_samples else sums[0] / sums[1]
 
     def verdict_now(self, bucket: int) -> tuple[bool, bool]:
         """(both arms measured in this bucket, drafting's rate below `margin` x plain decoding's)."""
@@ -118,11 +110,7 @@ class MeasuredGuard:
             # A re-measurement of drafting that loses, or an acceptance probe, pays the drafter's
             # catch-up over everything decoded since drafting stopped (traced: EAGLE-3 at batch 4,
             # 30 ms a probe, 11 plain steps, 2.3% of the engine's time in one pass): it waits until
-            # that is at most `switch_budget` of the steps since the last one. A catch-up over tokens
-            # decoded while drafting was off grows as fast as the wait, so in effect the probe waits for
-            # a request's start, where only its prompt is owed (tokens decoded in the requests before are
-            # never caught up on). At 3% that took ~400 decisions at batch 1 with EAGLE-3 (~0.04-0.09
-            # steps a token, a 120-token prompt), drafting off for three requests after a bad patch of one.
+            # that is at most `switch_budget` of the steps since the last one.
             explore = False
         if explore:
             self.since[bucket] = 0
@@ -132,8 +120,6 @@ class MeasuredGuard:
             holds = measured and self.verdict.get(bucket) == loses
             self.verdict[bucket] = loses if measured else None
             self.interval[bucket] = min(2 * interval, self.max_interval) if loses or holds else self.explore_every
-        if k == 0 and measured and not loses and not explore and self._refresh_due(bucket):
-            return self.k_max
         if k == 0:  # the model declined: re-measure drafting now and then, a burst at full depth
             # Also where drafting measured slower: the model's "no" comes from its estimates (acceptance
             # per position, drafting and catch-up cost), which nothing else refreshes while nothing is
@@ -145,29 +131,10 @@ class MeasuredGuard:
                 return 0
             self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, True
             return self.k_max
-        self.declined[bucket], self.refresh[bucket] = 0, self.first_explore  # the model drafts: its estimates are fresh
         drafting = loses == explore
         if explore:  # the other arm, for `burst` steps (the interval counts from the burst's end)
             self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, drafting
         return self._deeper(k, n) if drafting else 0
-
-    def _refresh_due(self, bucket: int) -> bool:
-        """Whether the model's "no", where drafting has measured faster than plain decoding, is
-        re-measured now with a burst at full depth (started here). The model declines from its
-        acceptance estimates, which nothing refreshes while nothing is drafted: at batch 1 they
-        follow the last ~20 drafts, so a bad patch of a request froze them below break-even, and
-        the re-measurement waited for the exploration interval that drafting's wins had backed off
-        to 1,024 (traced, EAGLE-3 D-Cut at batch 1 on 16 HumanEval prompts: 128-585 of ~2,500 steps
-        plain, while drafting measured 1.47x plain decoding's rate). The refresh comes after
-        `first_explore` consecutive declines, then twice as many each time the model declines
-        again, back to `first_explore` once it drafts."""
-        n = self.declined[bucket] = self.declined.get(bucket, 0) + 1
-        interval = self.refresh.get(bucket, self.first_explore)
-        if n < interval:
-            return False
-        self.declined[bucket], self.refresh[bucket] = 0, min(2 * interval, self.max_interval)
-        self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, True
-        return True
 
     def _deeper(self, k: int, n: int) -> int:
         """Every `probe_every`-th drafting decision drafts one position deeper than chosen."""
@@ -176,17 +143,12 @@ class MeasuredGuard:
     def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
         bucket = batch_size.bit_length()
         lost = self.loses(bucket)
-        # The decay runs on the bucket's steps, not the arm's own: an arm re-measured after a long spell
-        # of the other is measured as it is now. Decayed per own step, the first drafting steps of a run
-        # (traced, EAGLE-3 D-Cut at batch 1: four with nothing accepted, 450-550 tok/s) outweighed the
-        # bursts that re-measured drafting at 32, 64, ... 1,024 decisions, 3 steps each, and drafting,
-        # 1.4x plain decoding when it ran, stayed off for 758 of ~2,400 steps.
-        now = self.measured_steps[bucket] = self.measured_steps.get(bucket, 0) + 1
-        sums = self.sums.setdefault((bucket, drafted), [0.0, 0.0, 0.0, 0, now])
-        expected = sums[1] / sums[2] if sums[3] >= self.min_samples else None
-        seconds = clipped(seconds, expected)  # a stall is not the arm's
-        decay = (1 - self.weight) ** (now - sums[4])
-        sums[:] = [decay * sums[0] + tokens, decay * sums[1] + seconds, decay * sums[2] + 1.0, sums[3] + 1, now]
+        sums = self.sums.setdefault((bucket, drafted), [0.0, 0.0, 0])
+        seconds = clipped(seconds, sums[1] if sums[2] >= self.min_samples else None)  # a stall is not the arm's
+        sums[2] += 1
+        w = max(self.weight, 1 / sums[2])  # the plain mean of the first steps, then an EMA
+        sums[0] = (1 - w) * sums[0] + w * tokens
+        sums[1] = (1 - w) * sums[1] + w * seconds
         if self.loses(bucket) and not lost:
             # Drafting has just fallen behind (a request it drafts badly for, a slower spell): the next
             # re-measurement comes `explore_every` decisions from now, backing off from there while it
