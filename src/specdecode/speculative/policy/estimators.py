@@ -53,7 +53,7 @@ class DraftCost:
         if variance < 0.1:
             # Depths too alike to separate the parts: the last split, scaled to the mean cost. The average
             # alone charged a proposal's fixed part to every position (traced, EAGLE-3 D-Cut at batch 1,
-            # nearly all proposals 4 deep: 0.41 steps a position against ~0.12 once separated), so D-Cut
+            # nearly all proposals 4 deep: 0.41 steps a position against 0.07-0.13 once separated), so D-Cut
             # stopped drafts and auto-k shortened them where the next position paid.
             priced = self.fixed + self.per_step * mean_n
             if self.split and priced > 0:
