@@ -245,7 +245,6 @@ def test_acceptance_per_position_is_learned_only_from_drafts_the_stop_rule_did_n
 
     class Seq:
         room = 100
-        output_token_ids: list[int] = []
 
     plans = [depth.plan([Seq()], [1]) for _ in range(8)]
     assert [p.prune_while_drafting for p in plans] == [True, True, True, False] * 2
