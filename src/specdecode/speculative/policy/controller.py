@@ -221,12 +221,8 @@ class DepthController:
         scale = self.estimator.scale()
         tau, width, survival = float(B), B, {}
         for b, row in enumerate(tops):
-            a = 1.0
-            for i, top in enumerate(row):
-                a *= self.estimator.calibrated(i, top, scale[i])
-                tau += a
+            survival[b], tau = self.one_row_survival(row, tau, scale)
             width += len(row)
-            survival[b] = a
         fixed = self.draft_seconds(B, step + 1)  # drafting so far
         best_rate, best_m = tau / (fixed + self.cost.step_time(B, width)), 0
         gains, survive, total = [], 1.0, 0.0  # expected accepted tokens per unit survival after j more positions
@@ -270,11 +266,12 @@ class DepthController:
             out.append(theta)
         return out
 
-    def one_row_survival(self, row: list[float]) -> tuple[float, float]:
-        """(survival of the last position, tau = 1 + the survivals' sum) of one sequence's drafter
+    def one_row_survival(self, row: list[float], tau: float = 1.0,
+                         scale: list[float] | None = None) -> tuple[float, float]:
+        """(survival of the last position, tau + the survivals' sum) of one sequence's drafter
         confidences so far, calibrated (the C++ chain computes the same doubles in the same order)."""
-        scale = self.estimator.scale()
-        a, tau = 1.0, 1.0
+        scale = self.estimator.scale() if scale is None else scale
+        a = 1.0
         for i, top in enumerate(row):
             a *= self.estimator.calibrated(i, top, scale[i])
             tau += a
