@@ -83,6 +83,31 @@ def test_seeded_sampling_is_independent_of_batch(native_model):
     assert other_seed[0].token_ids != alone
 
 
+def test_a_step_independent_sampling_batch_is_reused_while_the_batch_is_the_same(native_model):
+    """The same sequences in the same order reuse the last step's SamplingBatch; another batch, and any
+    batch whose rows adjust logits, follow a grammar or draw keyed noise, is built for its step."""
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4)
+    plain = SamplingParams(temperature=0.7, top_k=5, max_tokens=16, ignore_eos=True)
+    for p in PROMPTS[:2]:
+        llm.add_request({"prompt_token_ids": p}, plain)
+    llm.step()  # prefill
+    seqs = list(llm.scheduler.running)
+    first = llm._sampling_batch(seqs)
+    assert llm._sampling_batch(list(seqs)) is first  # a new list of the same sequences
+    assert llm._sampling_batch(seqs[::-1]) is not first and llm._sampling_batch(seqs[:1]) is not first
+    penalised = SamplingParams(temperature=0.7, repetition_penalty=1.3, max_tokens=16, ignore_eos=True)
+    llm.add_request({"prompt_token_ids": PROMPTS[2]}, penalised)
+    llm.step()
+    seqs = list(llm.scheduler.running)
+    assert any(s.params is penalised for s in seqs)
+    assert llm._sampling_batch(seqs) is not llm._sampling_batch(seqs)  # its history changes every step
+    exact = LLM(native_model, dtype="float32", max_num_seqs=2, exact=True)
+    exact.add_request({"prompt_token_ids": PROMPTS[0]}, SamplingParams(temperature=1.0, seed=7, max_tokens=8))
+    exact.step()
+    keyed = list(exact.scheduler.running)
+    assert exact._sampling_batch(keyed) is not exact._sampling_batch(keyed)  # positions move every step
+
+
 def test_top_k_and_top_p_masks():
     logits = torch.log(torch.tensor([[0.5, 0.2, 0.15, 0.1, 0.05]] * 3))
     batch = SamplingBatch.build([SamplingParams(top_k=2), SamplingParams(top_p=0.8), SamplingParams(top_p=0.3)],

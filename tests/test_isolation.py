@@ -74,7 +74,11 @@ def poison_sampling(monkeypatch, llm: LLM, poisoned: SamplingParams):
             raise InjectedError("sampling parameters refused")
         return build(cls, params, generators, device, **keyed)
 
-    return lambda: monkeypatch.setattr(SamplingBatch, "build", classmethod(failing_build))
+    def arm():
+        monkeypatch.setattr(SamplingBatch, "build", classmethod(failing_build))
+        llm._reusable_sampling = None  # the next step builds its batch (a step-independent one is reused)
+
+    return arm
 
 
 def poison_proposer(monkeypatch, llm: LLM, poisoned: SamplingParams):

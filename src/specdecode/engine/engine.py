@@ -165,6 +165,9 @@ class LLM:
         torch.manual_seed(seed)
         self._request_counter = itertools.count()
         self._grammar_compiler = None
+        # The last step's sequences and SamplingBatch, reused while the batch is the same and nothing in
+        # it depends on the step (`_sampling_batch`).
+        self._reusable_sampling: tuple[list[Sequence], SamplingBatch] | None = None
         self.stats = SpecStats()  # aggregate over finished requests
         self.speculator = build_speculator(speculative_config, TargetHandle(
             self.runner, model_dir, self.tokenizer, max_num_seqs=max_num_seqs, max_model_len=self.max_model_len))
@@ -328,7 +331,21 @@ class LLM:
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         """The step's sampling batch: parameters, seeded noise, and (for the rows that use them)
-        the logit adjustments of each sequence's committed context and its grammar's mask."""
+        the logit adjustments of each sequence's committed context and its grammar's mask.
+
+        A batch without adjustments, grammars or keyed noise depends only on its sequences'
+        parameters and generators (objects that live as long as the sequences), so the same
+        sequences in the same order reuse the last step's: building it was 15-18 us of a plain
+        W4A8 decode step's ~65 us of host work (the forward ~320-390 us)."""
+        reusable = self._reusable_sampling
+        if reusable is not None and len(reusable[0]) == len(seqs) and all(a is b for a, b in zip(reusable[0], seqs)):
+            return reusable[1]
+        batch = self._build_sampling_batch(seqs)
+        step_independent = batch.adjust is None and batch.grammar is None and not batch.keyed_rows
+        self._reusable_sampling = (list(seqs), batch) if step_independent else None
+        return batch
+
+    def _build_sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         from specdecode.structured import committed_masks
 
         keys = [s.noise_key for s in seqs] if self.exact else None
