@@ -616,3 +616,34 @@ def test_one_stalled_step_moves_neither_the_guards_rates_nor_the_live_level_much
         cost.observe(4, 1.2)
     cost.observe(4, 40.0)
     assert cost.per_step < 0.3 * 1.25
+
+
+def test_a_step_the_guard_declines_takes_the_lean_path_and_keeps_the_guard_and_live_cost_measured(native_model,
+                                                                                                   monkeypatch):
+    """Where drafting measured slower and nothing is due, a step skips `plan` and `update` (their host work
+    was most of a declined step's cost over a plain engine's) and still counts the guard's decision, times
+    the plain arm and the live cost, and commits what plain decoding commits."""
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}]
+    plain = LLM(native_model, dtype="float32", max_num_seqs=1).generate(prompts, params)[0].token_ids
+    llm = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config={
+        "method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4, "verify_pruning": "dcut"})
+    depth = llm.speculator.depth
+    guard = depth.guard
+    guard.sums[(1, True)] = [1.0, 1.0, 100]  # drafting measured at 1 token a second: it loses
+    guard.sums[(1, False)] = [1.0, 1e-3, 100]
+    guard.interval[1], guard.since[1] = 10_000, 0
+    assert depth.declines(1)
+    calls = []
+    for name in ("plan", "update"):
+        monkeypatch.setattr(depth, name, lambda *a, name=name, **k: calls.append(name))
+    llm.add_request(prompts[0], params)
+    llm.step()  # the prefill
+    level = depth.cost.factor(1)
+    out = []
+    while llm.has_unfinished():
+        out = [o for o in llm.step()][0].token_ids
+    assert out == plain and calls == []
+    assert guard.decisions[1] == guard.since[1] == 23  # one decision a decoding step
+    assert guard.sums[(1, False)][2] == 100 + 22  # the steady steps (the first one switched arms)
+    assert depth.cost.factor(1) != level  # the live cost saw every step's forward

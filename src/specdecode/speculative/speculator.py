@@ -106,6 +106,8 @@ class Speculator:
             raise
 
     def _step(self, seqs: list[Sequence], sampling: SamplingBatch) -> StepOutput:
+        if self.proposer.max_tree_depth == 0 and self.depth.declines(len(seqs)):
+            return self._step_without_draft(seqs, sampling, None)
         plan = self.depth.plan(seqs, [self.proposer.pending_tokens(s) for s in seqs])
         if not plan.drafts and self.proposer.max_tree_depth == 0:
             return self._step_without_draft(seqs, sampling, plan)
@@ -153,10 +155,11 @@ class Speculator:
                           num_draft=num_draft, num_accepted=num_accepted, draft_seconds=t1 - t0, verify_seconds=t2 - t1,
                           logprobs=logprobs)
 
-    def _step_without_draft(self, seqs: list[Sequence], sampling: SamplingBatch, plan: StepPlan) -> StepOutput:
+    def _step_without_draft(self, seqs: list[Sequence], sampling: SamplingBatch, plan: StepPlan | None) -> StepOutput:
         """A chain step in which nobody drafts: plain decoding's forward and sampling, without the
         proposal and verification bookkeeping (its host work was most of what a speculative engine
-        whose policy stopped drafting cost over a plain engine)."""
+        whose policy stopped drafting cost over a plain engine). plan None: the depth policy
+        declined before planning (`DepthController.declines`)."""
         t0 = time.perf_counter()
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
@@ -165,7 +168,10 @@ class Speculator:
         logprobs = self._committed_logprobs(seqs, sampling, result.logits, sampling, tokens, num_accepted, None)
         seconds = time.perf_counter() - t0
         num_draft = [0] * len(seqs)
-        self.depth.update(plan, seqs, num_draft, num_accepted, 0.0, 0, None, seconds)
+        if plan is None:
+            self.depth.observe_declined(len(seqs), seconds)
+        else:
+            self.depth.update(plan, seqs, num_draft, num_accepted, 0.0, 0, None, seconds)
         self.proposer.on_commit(seqs, self._empty_draft(len(seqs)), verified, result)
         return StepOutput(seqs, [list(row) for row in tokens], [1] * len(seqs), num_draft=num_draft,
                           num_accepted=list(num_accepted), draft_seconds=0.0, verify_seconds=seconds, logprobs=logprobs)

@@ -146,13 +146,19 @@ class DepthController:
     def needs_cost_model(self) -> bool:
         return self.schedule == "auto" or self.pruning == "dcut"
 
+    def declines(self, batch_size: int) -> bool:
+        """Whether this step decodes without drafting whatever the policy would price: the guard has
+        measured drafting slower at this batch size and no re-measurement is due. Such a step takes
+        the speculator's lean path (`observe_declined`, not `plan` / `update`)."""
+        return (self.schedule == "auto" or self.pruning == "dcut") and self.guard.declines(batch_size)
+
     def plan(self, seqs: list[Sequence], pending: list[int]) -> StepPlan:
         """This step's draft limits per sequence (also bounded by its remaining room: a step
         commits accepted + 1 tokens, so at most room - 1 drafts are useful). `pending[b]`: the
         committed tokens the drafter must consume before drafting for sequence b."""
         catching_up = prune = False
         extra = 0
-        if (self.schedule == "auto" or self.pruning == "dcut") and self.guard.declines(len(seqs)):
+        if self.declines(len(seqs)):
             per_seq = [self.guard.choose(len(seqs), 0)] * len(seqs)  # 0: nothing to price
         elif self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
             B = len(seqs)
@@ -305,6 +311,27 @@ class DepthController:
         """Expected seconds of a proposal `steps` deep (steps=0: its fixed part alone)."""
         return (self.draft_cost.fixed + self.draft_cost.per_step * steps) * self.cost.step_time(batch_size, batch_size)
 
+    def observe_declined(self, batch_size: int, step_seconds: float) -> None:
+        """`plan` and `update` of a step `declines` let decode without drafting, in one call: the guard
+        counts the decision and times the plain arm, the live cost times the forward. (Their host work
+        was what a declined step cost beyond a plain engine's, ~30 us of ~0.45 ms at W4A8, batch 1.)"""
+        self.guard.choose(batch_size, 0)
+        self._observe_step(batch_size, False, batch_size, step_seconds, counts=True)
+        if self._cost is not None:
+            self._cost.observe(batch_size, batch_size, step_seconds)
+
+    def _observe_step(self, batch_size: int, drafted: bool, tokens: int, seconds: float, counts: bool) -> None:
+        """The guard's rate of this step's arm, when the step before it took the same arm (the first step
+        after a switch pays for it) and `counts` (a catch-up is a one-time cost, priced by auto_k)."""
+        arm = (batch_size.bit_length(), drafted)
+        steady, self._last_arm = arm == self._last_arm, arm
+        if counts and steady:
+            # In units of the machine's speed when the step ran (the live cost's level, from every step's
+            # target time): the guard compares rates measured minutes apart, and a slow spell while
+            # drafting was measured froze drafting off for thousands of steps of a faster machine.
+            speed = self._cost.factor(batch_size) if self._cost is not None else 1.0
+            self.guard.observe(batch_size, drafted, tokens, seconds / speed)
+
     def update(self, plan: StepPlan, seqs: list[Sequence], num_draft: list[int], num_accepted: list[int],
                draft_seconds: float, num_draft_steps: int, confidence: list[list[float]] | None = None,
                step_seconds: float | None = None) -> None:
@@ -316,14 +343,8 @@ class DepthController:
         # 87% of the time, 0.83x fixed k's speed). Each draft's own confidence still calibrates (per bin).
         selected = plan.stop_rule is not None and plan.stop_rule.asked
         self.estimator.update(num_draft, num_accepted, confidence, per_position=not selected)
-        arm = (len(seqs).bit_length(), sum(num_draft) > 0)
-        steady, self._last_arm = arm == self._last_arm, arm  # the guard's rates exclude switching steps
-        if step_seconds and not plan.catching_up and steady:  # a catch-up is a one-time cost, priced by auto_k
-            # In units of the machine's speed when the step ran (the live cost's level, from every step's
-            # target time): the guard compares rates measured minutes apart, and a slow spell while
-            # drafting was measured froze drafting off for thousands of steps of a faster machine.
-            speed = self._cost.factor(len(seqs)) if self._cost is not None else 1.0
-            self.guard.observe(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds / speed)
+        self._observe_step(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds or 0.0,
+                           counts=bool(step_seconds) and not plan.catching_up)
         if num_draft_steps and self._cost is not None:
             units = draft_seconds / self._cost.step_time(len(seqs), len(seqs))
             if not plan.catching_up:
