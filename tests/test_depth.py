@@ -647,3 +647,63 @@ def test_a_step_the_guard_declines_takes_the_lean_path_and_keeps_the_guard_and_l
     assert guard.decisions[1] == guard.since[1] == 23  # one decision a decoding step
     assert guard.sums[(1, False)][2] == 100 + 22  # the steady steps (the first one switched arms)
     assert depth.cost.factor(1) != level  # the live cost saw every step's forward
+
+
+def test_every_32nd_drafting_plan_drafts_to_k_and_d_cut_verifies_it_whole():
+    """A policy that drafts shallow never measures acceptance deeper, nor the cost of wider verification,
+    so every `full_depth_every`-th drafting plan drafts to k, is not stopped while drafting and is not
+    cut (only n_min applies)."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=6, verify_pruning="dcut", draft_n_min=1)
+    depth = DepthController(config, lambda: FREE_VERIFY)
+    depth.guard = type(depth.guard)(6, probe_every=1000)
+    for _ in range(4):  # drafting measured faster
+        depth.guard.observe(1, drafted=True, tokens=2, seconds=0.01)
+        depth.guard.observe(1, drafted=False, tokens=1, seconds=0.01)
+
+    class Seq:
+        room = 100
+
+    for _ in range(50):
+        depth.estimator.update([2], [1], None)  # position 1 accepted, position 2 never: auto-k drafts 1
+    plans = [depth.plan([Seq()], [1]) for _ in range(80)]
+    drafting = [p for p in plans if p.drafts]
+    assert len(drafting) >= 64
+    whole = [i for i, p in enumerate(drafting) if p.verify_whole]
+    assert whole == [31, 63]
+    probe = drafting[31]
+    assert probe.max_tokens == [6] and not probe.prune_while_drafting
+    assert all(p.max_tokens == [1] for i, p in enumerate(drafting) if i not in whole)
+    depth._cost = LiveCost(LINEAR)  # every verified token costs a whole step: the cut keeps 1 of 6
+    for _ in range(4):
+        depth.cost.observe(1, 7, 0.07)  # width 7 measured
+    confidence = [[0.9, 0.1, 0.1, 0.1, 0.1, 0.1]]
+    assert depth.verify_lengths([Seq()], [6], confidence, probe) == [6]
+    assert depth.verify_lengths([Seq()], [6], confidence, drafting[0]) == [1]
+    assert depth.verify_lengths([Seq()], [0], confidence, probe) == [0]
+
+
+def test_a_width_the_cut_would_remove_is_verified_whole_until_the_live_cost_has_measured_it():
+    """The cut prices wider verification from the live cost, which measures only the widths that run: a
+    width the cut keeps removing would stay priced by extrapolation. So while the uncut draft's width is
+    stale (fewer than min_samples steps, or none among the bucket's last `width_horizon`), the draft is
+    verified whole."""
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
+    depth = DepthController(config, lambda: LINEAR)
+    depth.width_horizon = 10
+
+    class Seq:
+        room = 100
+
+    live = depth.cost
+    confidence = [[0.9, 0.1, 0.1, 0.1]]
+    for _ in range(3):
+        live.observe(1, 5, 0.05)
+    assert live.stale(1, 5, 10) and depth.verify_lengths([Seq()], [4], confidence) == [4]
+    live.observe(1, 5, 0.05)  # the 4th step at width 5: measured
+    assert not live.stale(1, 5, 10) and depth.verify_lengths([Seq()], [4], confidence) == [1]
+    for _ in range(10):
+        live.observe(1, 2, 0.02)
+    assert not live.stale(1, 5, 10)
+    live.observe(1, 2, 0.02)  # 11 steps since width 5 last ran
+    assert live.stale(1, 5, 10) and depth.verify_lengths([Seq()], [4], confidence) == [4]
+    assert live.stale(1, 3, 10)  # never run

@@ -120,7 +120,7 @@ class Speculator:
             num_draft_steps = max(num_tokens)
             if draft.parents is None:  # n_min and D-Cut shape chains; trees come shaped by their drafter
                 confidence = draft.confidence.tolist() if draft.confidence is not None else None
-                limits = self.depth.verify_lengths(seqs, num_tokens, confidence)
+                limits = self.depth.verify_lengths(seqs, num_tokens, confidence, plan)
                 if any(limit < n for limit, n in zip(limits, num_tokens)):  # else it keeps every draft
                     draft = draft.truncate(limits)
                 if sampling.constrained:  # a draft ends before the first token its grammar forbids

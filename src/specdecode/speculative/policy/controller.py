@@ -46,6 +46,7 @@ class StepPlan:
     catch_up_tokens: int = 0  # when catching up: the committed tokens beyond a step's worth it consumes
     prune_while_drafting: bool = False  # D-Cut stops unpromising rows while drafting (not on a guard probe)
     stop_rule: "DraftStopRule | None" = None  # the rule this step's proposal was given (`draft_stop`)
+    verify_whole: bool = False  # a full-depth probe: D-Cut verifies the whole draft (`verify_lengths`)
 
     @property
     def drafts(self) -> bool:
@@ -132,6 +133,12 @@ class DepthController:
         # Every `unstopped_every`-th step D-Cut would stop rows while drafting drafts them to the planned
         # depth instead: only such steps measure acceptance per position (`update`).
         self.unstopped_every = 4
+        # A width D-Cut would cut is verified whole when the live cost has not measured it in this many
+        # steps of the batch-size bucket (or fewer than its min_samples times): see `verify_lengths`.
+        self.width_horizon = 256
+        # Every `full_depth_every`-th drafting plan of auto-k / D-Cut drafts to k and is verified whole (`plan`).
+        self.full_depth_every = 32
+        self._drafting_plans = 0
         self._stoppable_plans = 0
         self._last_arm: tuple[int, bool] | None = None  # the last step's (batch-size bucket, drafted)
         self.schedule_k: dict[str, int] = {}  # heuristic schedule: request id -> its current k
@@ -156,7 +163,7 @@ class DepthController:
         """This step's draft limits per sequence (also bounded by its remaining room: a step
         commits accepted + 1 tokens, so at most room - 1 drafts are useful). `pending[b]`: the
         committed tokens the drafter must consume before drafting for sequence b."""
-        catching_up = prune = False
+        catching_up = prune = whole = False
         extra = 0
         if self.declines(len(seqs)):
             per_seq = [self.guard.choose(len(seqs), 0)] * len(seqs)  # 0: nothing to price
@@ -169,6 +176,16 @@ class DepthController:
             k = auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up, remaining,
                        draft_fixed=self.draft_cost.fixed * step)
             chosen = self.guard.choose(B, k, switch_steps=catch_up / step)
+            if chosen > 0:
+                # Acceptance at a position is measured only where it is verified, and a width's cost only where
+                # it is run: a policy that drafts shallow on its estimates never corrects them (traced at W4A8,
+                # n-gram D-Cut, batch 1: runs that never verified more than 3 drafts kept positions 4-8 at
+                # position 3's rate, 0.76-0.77, where runs that went deeper measured 0.86-0.98 there; the guard's
+                # probes go one position deeper, and the cut may remove it). So now and then a drafting step
+                # drafts to k and is verified whole.
+                self._drafting_plans += 1
+                if self._drafting_plans % self.full_depth_every == 0 and chosen < self.k:
+                    chosen, whole = self.k, True
             catching_up = chosen > 0 and catch_up > 0
             # A guard probe (deeper than chosen) measures acceptance: drafting must not stop it early.
             prune = self.pruning == "dcut" and chosen <= k
@@ -181,7 +198,7 @@ class DepthController:
         else:
             per_seq = [self.k] * len(seqs)
         return StepPlan([max(0, min(k, seq.room - 1)) for k, seq in zip(per_seq, seqs)], catching_up,
-                        extra if catching_up else 0, prune)
+                        extra if catching_up else 0, prune, verify_whole=whole)
 
     def draft_stop(self, plan: StepPlan) -> DraftStopRule | None:
         """The stop rule chain drafters apply after each drafter step this step (None: draft to the limit)."""
@@ -192,9 +209,11 @@ class DepthController:
     def release(self, seq: Sequence) -> None:
         self.schedule_k.pop(seq.request_id, None)
 
-    def verify_lengths(self, seqs: list[Sequence], num_tokens: list[int], confidence: list[list[float]] | None) -> list[int]:
-        """How many of each sequence's drafts go to verification (n_min, then D-Cut). Drafters
-        without confidences (n-gram) are scored by each request's measured acceptance."""
+    def verify_lengths(self, seqs: list[Sequence], num_tokens: list[int], confidence: list[list[float]] | None,
+                       plan: StepPlan | None = None) -> list[int]:
+        """How many of each sequence's drafts go to verification (n_min, then D-Cut, except on the
+        plan's full-depth probes). Drafters without confidences (n-gram) are scored by each
+        request's measured acceptance."""
         lengths = [0 if n < self.n_min else n for n in num_tokens]
         if self.confidence_threshold > 0 and max(lengths, default=0) > 0:
             # The confident prefix: cumulative confidence (prefix-only, so lossless) above the threshold.
@@ -207,10 +226,17 @@ class DepthController:
                         break
                     keep += 1
                 lengths[q] = keep
-        if self.pruning == "dcut" and max(lengths, default=0) > 0:
+        if self.pruning == "dcut" and max(lengths, default=0) > 0 and not (plan is not None and plan.verify_whole):
             conf = (self.estimator.calibrate(confidence) if confidence is not None
                     else self.estimator.confidence([s.stats for s in seqs]))
-            lengths = dcut_lengths(conf, lengths, self.cost, self.draft_seconds(len(lengths), max(num_tokens)))
+            cut = dcut_lengths(conf, lengths, self.cost, self.draft_seconds(len(lengths), max(num_tokens)))
+            # A width the cut keeps removing is priced from the profile's shape and the nearest measured
+            # width's correction, and nothing re-measures it while the cut removes it (traced at W4A8, n-gram
+            # k=8, batch 1: runs that had verified at most 3 drafts priced width 9 at 3.7-4.6x a one-token
+            # step, runs that had measured widths 5-7 at 3.0-3.5x). So a draft whose uncut width is stale
+            # (`LiveCost.stale`) is verified whole.
+            if cut != lengths and not self.cost.stale(len(lengths), len(lengths) + sum(lengths), self.width_horizon):
+                lengths = cut
         return lengths
 
     def keep_drafting(self, step: int, tops: list[list[float]], drafting: list[int]) -> list[int]:

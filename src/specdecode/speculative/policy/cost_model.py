@@ -113,7 +113,9 @@ class LiveCost:
         self.weight = weight
         self.min_samples = min_samples
         self.scale: dict[int, float] = {}  # batch-size bucket (bit length) -> measured / profiled
-        self.shape: dict[int, dict[int, list[float]]] = {}  # bucket -> {width: [EMA of ratio / level, steps]}
+        # bucket -> {width: [EMA of ratio / level, steps, the bucket's `observed` count at its last step]}
+        self.shape: dict[int, dict[int, list[float]]] = {}
+        self.observed: dict[int, int] = {}  # bucket -> steps observed
         self.measured: dict[int, tuple[list[int], list[float]]] = {}  # bucket -> widths with min_samples, corrections
         # Prices asked since the last observation: one step's policies price the same few forwards ~20
         # times (auto-k, D-Cut's stop rule after each drafter step, its cut), ~3 us each on the caches a
@@ -146,23 +148,33 @@ class LiveCost:
             i -= 1
         return corrections[i]
 
+    def stale(self, batch_size: int, total_tokens: int, horizon: int) -> bool:
+        """Whether this forward's width has fewer than `min_samples` steps measured in its bucket, or
+        none among the bucket's last `horizon` steps (its price is then the profile's shape, or an old
+        measurement of it)."""
+        bucket = batch_size.bit_length()
+        entry = self.shape.get(bucket, {}).get(round(total_tokens / max(1, batch_size)))
+        return entry is None or entry[1] < self.min_samples or self.observed.get(bucket, 0) - entry[2] > horizon
+
     def observe(self, batch_size: int, total_tokens: int, seconds: float) -> None:
         """A step's measured seconds outside drafting, for a forward of these dimensions."""
         self._prices.clear()
         bucket = batch_size.bit_length()
+        count = self.observed[bucket] = self.observed.get(bucket, 0) + 1
         old = self.scale.get(bucket)
         ratio = clipped(seconds / self.profile.step_time(batch_size, total_tokens), old)
         level = self.scale[bucket] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
         widths = self.shape.setdefault(bucket, {})
         width = round(total_tokens / max(1, batch_size))
-        entry = widths.setdefault(width, [1.0, 0])
+        entry = widths.setdefault(width, [1.0, 0, 0])
         entry[1] += 1
+        entry[2] = count
         w = max(self.weight, 1 / entry[1])  # the plain mean of the first steps, then an EMA
         entry[0] = (1 - w) * entry[0] + w * ratio / level
         if entry[1] >= self.min_samples:
             measured = self.measured.get(bucket)
             if measured is None or entry[1] == self.min_samples:  # a width joins the measured ones
-                ready = sorted(n for n, (_, steps) in widths.items() if steps >= self.min_samples)
+                ready = sorted(n for n, (_, steps, _) in widths.items() if steps >= self.min_samples)
                 self.measured[bucket] = (ready, [widths[n][0] for n in ready])
             else:
                 measured[1][measured[0].index(width)] = entry[0]
