@@ -180,7 +180,7 @@ class DepthController:
                 # Acceptance at a position is measured only where it is verified, and a width's cost only where
                 # it is run: a policy that drafts shallow on its estimates never corrects them (traced at W4A8,
                 # n-gram D-Cut, batch 1: runs that never verified more than 3 drafts kept positions 4-8 at
-                # position 3's rate, 0.76-0.77, where runs that went deeper measured 0.86-0.98 there; the guard's
+                # position 3's rate, 0.76-0.77, where runs that went deeper measured 0.85-0.99 there; the guard's
                 # probes go one position deeper, and the cut may remove it). So now and then a drafting step
                 # drafts to k and is verified whole.
                 self._drafting_plans += 1
@@ -232,8 +232,8 @@ class DepthController:
             cut = dcut_lengths(conf, lengths, self.cost, self.draft_seconds(len(lengths), max(num_tokens)))
             # A width the cut keeps removing is priced from the profile's shape and the nearest measured
             # width's correction, and nothing re-measures it while the cut removes it (traced at W4A8, n-gram
-            # k=8, batch 1: runs that had verified at most 3 drafts priced width 9 at 3.7-4.6x a one-token
-            # step, runs that had measured widths 5-7 at 3.0-3.5x). So a draft whose uncut width is stale
+            # k=8, batch 1: runs that had verified at most 3 drafts priced width 5 at 2.3-2.9x a one-token
+            # step, runs that had measured it at 1.7-2.4x). So a draft whose uncut width is stale
             # (`LiveCost.stale`) is verified whole.
             if cut != lengths and not self.cost.stale(len(lengths), len(lengths) + sum(lengths), self.width_horizon):
                 lengths = cut
@@ -339,8 +339,8 @@ class DepthController:
 
     def observe_declined(self, batch_size: int, step_seconds: float) -> None:
         """`plan` and `update` of a step `declines` let decode without drafting, in one call: the guard
-        counts the decision and times the plain arm, the live cost times the forward. (Their host work
-        was what a declined step cost beyond a plain engine's, ~30 us of ~0.45 ms at W4A8, batch 1.)"""
+        counts the decision and times the plain arm, the live cost times the forward. (A declined W4A8 step
+        at batch 1 spent ~35 us more host work than a plain engine's step of ~0.45 ms; this path ~26.)"""
         self.guard.choose(batch_size, 0)
         self._observe_step(batch_size, False, batch_size, step_seconds, counts=True)
         if self._cost is not None:
