@@ -336,7 +336,7 @@ class LLM:
         A batch without adjustments, grammars or keyed noise depends only on its sequences'
         parameters and generators (objects that live as long as the sequences), so the same
         sequences in the same order reuse the last step's: building it was 15-18 us of a plain
-        W4A8 decode step's ~65 us of host work (the forward ~320-390 us)."""
+        W4A8 engine step's ~65 us of host work (its forward ~320-440 us)."""
         reusable = self._reusable_sampling
         if reusable is not None and len(reusable[0]) == len(seqs) and all(a is b for a, b in zip(reusable[0], seqs)):
             return reusable[1]
