@@ -1,6 +1,6 @@
-"""A greedy chain-drafting step of EAGLE / EAGLE-3 / MTP and draft models as one C++ call
-(speculative/propose/native_step.py): the same drafts, the same drafter cache and the same outputs
-as the Python step, and the Python step wherever the C++ one does not serve."""
+"""A chain-drafting step of EAGLE / EAGLE-3 / MTP and draft models as one C++ call
+(speculative/propose/native_step.py), greedy or sampled: the same drafts, the same drafter cache and
+the same outputs as the Python step, and the Python step wherever the C++ one does not serve."""
 
 from __future__ import annotations
 
@@ -41,8 +41,10 @@ def native_steps(monkeypatch) -> list[int]:
     return calls
 
 
-def _drafting(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[list, list, torch.Tensor]:
-    """(outputs, every proposal's (tokens, confidences), the drafter's KV cache afterwards)."""
+def _drafting(llm: LLM, prompts: list[str], params: SamplingParams, probs: list | None = None
+              ) -> tuple[list, list, torch.Tensor]:
+    """(outputs, every proposal's (tokens, confidences), the drafter's KV cache afterwards); each
+    proposal's q (or None) appended to `probs` where given."""
     proposer = llm.speculator.proposer
     drafts = []
     propose = proposer.propose
@@ -50,6 +52,8 @@ def _drafting(llm: LLM, prompts: list[str], params: SamplingParams) -> tuple[lis
     def recorded(*args, **kwargs):
         draft = propose(*args, **kwargs)
         drafts.append((draft.token_ids.clone(), draft.confidence.clone()))
+        if probs is not None:
+            probs.append(None if draft.probs is None else draft.probs.clone())
         return draft
 
     proposer.propose = recorded
@@ -164,14 +168,56 @@ def test_a_frequency_ranked_draft_vocabulary_is_served_too(native_model, native_
     assert len(native_steps) == count
 
 
+@pytest.mark.parametrize("method,extra", [("eagle3", {}), ("mtp", {"verify_pruning": "dcut"}), ("draft_model", {}),
+                                          ("mtp", {"draft_vocab_size": 100})])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sampled_chains_draw_what_the_python_steps_draw(native_model, native_drafter, trained_drafters, native_steps,
+                                                        monkeypatch, tmp_path, method, extra, dtype):
+    # T = 0.8, seeded: the C++ chain writes q and draws by inverse CDF with the proposal's uniforms, as
+    # ChainDraft.add_step does (EAGLE-3's reduced vocabulary, D-Cut's stop rule and FR-Spec's head
+    # included). Drafter outputs and cache bit-identical; q and confidences equal up to rounding,
+    # and so the draws, the verifier's decisions and the outputs.
+    if "draft_vocab_size" in extra:
+        vocab = json.loads((native_model / "config.json").read_text())["vocab_size"]
+        counts = torch.randint(1, 1000, (vocab,), generator=torch.Generator().manual_seed(0)).tolist()
+        (tmp_path / "freq.json").write_text(json.dumps({"counts": counts}))
+        extra = {**extra, "draft_vocab_frequencies": str(tmp_path / "freq.json")}
+    ticks = iter(range(10**9))  # D-Cut decides on step times: both runs read the same clock
+    monkeypatch.setattr(speculator, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
+    drafter = native_drafter if method == "draft_model" else trained_drafters[method]
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(drafter), **extra}
+    params = SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)
+    ours_q, theirs_q = [], []
+    ours = _drafting(LLM(native_model, dtype=dtype, speculative_config=spec), [PROMPT], params, ours_q)
+    assert native_steps
+    count = len(native_steps)
+    ticks = iter(range(10**9))
+    llm_python = _python_steps(LLM(native_model, dtype=dtype, speculative_config=spec))
+    _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params, theirs_q))
+    assert len(native_steps) == count
+    assert len(ours_q) == len(theirs_q) and all(q is not None for q in ours_q)
+    for q, their_q in zip(ours_q, theirs_q):
+        torch.testing.assert_close(q, their_q, rtol=1e-5, atol=1e-7)
+    below_top = [bool(q[0, s, token] < q[0, s].max()) for q, (tokens, _) in zip(ours_q, ours[1])
+                 for s, token in enumerate(tokens[0].tolist()) if token >= 0]
+    assert "verify_pruning" in extra or any(below_top)  # sampled, not argmaxes (D-Cut drafts a few tokens)
+
+
 def test_sampling_batches_and_hooks_keep_the_python_step(native_model, trained_drafters, native_steps):
     spec = {"method": "eagle3", "num_speculative_tokens": 3, "model": str(trained_drafters["eagle3"])}
     llm = LLM(native_model, dtype="float32", max_num_seqs=2, speculative_config=spec)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     llm.generate([PROMPT, "class A:\n"], greedy)  # two sequences side by side, finishing together
     assert not native_steps
+    for filtered in (dict(top_p=0.9), dict(top_k=5), dict(min_p=0.1), dict(repetition_penalty=1.2)):
+        llm.generate([PROMPT], SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True, **filtered))
+        assert not native_steps, filtered  # the C++ chain samples at a temperature alone
+    exact = LLM(native_model, dtype="float32", exact=True, speculative_config=spec)
+    exact.generate([PROMPT], SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True))
+    assert not native_steps  # keyed rows race the target's noise
     llm.generate([PROMPT], SamplingParams(temperature=0.8, seed=3, max_tokens=16, ignore_eos=True))
-    assert not native_steps
+    assert native_steps
+    native_steps.clear()
     seen = []
     drafter = llm.speculator.proposer.drafter
     handle = drafter.hidden_norm.register_forward_hook(lambda module, args, out: seen.append(out))

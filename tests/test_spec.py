@@ -10,7 +10,7 @@ from helpers import (CHI2_999_DF7, PROMPT_IDS as PROMPTS, chi_square, exact_seco
 
 from specdecode import LLM, SamplingParams, SpeculativeConfig
 from specdecode.errors import ConfigError, TokenizerMismatchError
-from specdecode.sampling import SamplingBatch, process_logits
+from specdecode.sampling import SamplingBatch, inverse_cdf, process_logits, sample
 from specdecode.speculative.propose.drafters.ngram.proposer import NgramIndex
 from specdecode.speculative.verify.chain import verify
 
@@ -137,6 +137,37 @@ def _check_distribution(out, p):
     assert _tv(second, p[1]) < 0.015
 
 
+def test_inverse_cdf_draws_from_the_given_mass_and_never_a_zero():
+    # Unnormalised mass with zeros among it: 200,000 draws match mass / total (TV < 0.01, where the
+    # same mass with two tokens swapped is 0.11 away: caught); a zero is never drawn, not even at
+    # the largest uniform, whose threshold lies past every positive token but the last.
+    mass = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.5, 0.0], [2.0, 0.0, 0.0, 0.0, 1e-30, 0.0]])
+    g = torch.Generator().manual_seed(0)
+    for row in mass:
+        tokens = inverse_cdf(row.expand(N, V), torch.rand(N, dtype=torch.float64, generator=g))
+        assert _tv(tokens, row / row.sum()) < 0.01
+        assert bool((row[tokens] > 0).all())
+    swapped = mass[0][[0, 1, 2, 4, 3, 5]]
+    tokens = inverse_cdf(swapped.expand(N, V), torch.rand(N, dtype=torch.float64, generator=g))
+    assert _tv(tokens, mass[0] / mass[0].sum()) > 0.05
+    largest = torch.full((2,), 1.0 - 2.0 ** -53, dtype=torch.float64)
+    assert inverse_cdf(mass, largest).tolist() == [4, 0]
+    assert inverse_cdf(mass, torch.zeros(2, dtype=torch.float64)).tolist() == [1, 0]
+
+
+@pytest.mark.parametrize("filters", [dict(), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)])
+def test_plain_sampling_draws_from_the_processed_distribution(filters):
+    # sample(): one row's processed p, 200,000 times (one float64 uniform a row); a draw that ignored
+    # the filters (the raw softmax) is caught by the same bound.
+    target_logits, p, _, batch = _setup(**filters)
+    torch.manual_seed(2)
+    tokens = sample(target_logits[:, 0], batch)
+    assert _tv(tokens, p[0]) < 0.01
+    raw = torch.softmax(target_logits[0, 0], dim=-1)
+    if filters:
+        assert 0.5 * (raw - p[0]).abs().sum() > 0.05 and _tv(tokens, raw) > 0.03
+
+
 @pytest.mark.parametrize("filters", [dict(), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)])
 def test_rejection_sampling_reproduces_target_distribution(filters):
     torch.manual_seed(0)
@@ -186,11 +217,13 @@ def test_seeded_verification_is_reproducible():
     assert torch.equal(runs[0], runs[1])
 
 
-def test_sampled_speculation_keeps_the_target_distribution(native_model, native_drafter, monkeypatch):
+@pytest.mark.parametrize("max_num_seqs", [16, 1])
+def test_sampled_speculation_keeps_the_target_distribution(native_model, native_drafter, monkeypatch, max_num_seqs):
     """End to end, 1200 seeded requests: the first token a speculative step commits follows the
     target's exact distribution (chi-square over 8 buckets, 99.9% threshold); a verifier that
     checks drafts against the drafter's own distribution is caught by the same statistic
-    (measured here: 2.0 plain, 6.4 speculative, 81 broken; the bound is 24.3)."""
+    (measured here: 2.0 plain, 6.4 speculative, 81 broken; the bound is 24.3). Batches of 16 draft
+    through the Python steps; one sequence at a time through the C++ sampled chain (where built)."""
     prompt = [8, 200, 31]
     exact = exact_second_token_probs(native_model, prompt)
     params = [SamplingParams(temperature=1.0, max_tokens=5, seed=s, ignore_eos=True) for s in range(1200)]
@@ -198,10 +231,17 @@ def test_sampled_speculation_keeps_the_target_distribution(native_model, native_
 
     def second_tokens(speculative_config):
         return [ids[1] for ids in generate_ids(native_model, [{"prompt_token_ids": prompt}] * len(params), params,
-                                               speculative_config, max_num_seqs=16)]
+                                               speculative_config, max_num_seqs=max_num_seqs)]
 
+    from specdecode.kernels import decode_stack_cpu
+    from specdecode.models.native_stack import NativeStack
+
+    chains = []
+    draft_chain = NativeStack.draft_chain
+    monkeypatch.setattr(NativeStack, "draft_chain", lambda self, *args: chains.append(1) or draft_chain(self, *args))
     assert chi_square(second_tokens(None), exact) < CHI2_999_DF7  # plain sampling: the statistic's calibration
     assert chi_square(second_tokens(config), exact) < CHI2_999_DF7
+    assert bool(chains) == (max_num_seqs == 1 and decode_stack_cpu.extension() is not None)
     from specdecode.speculative import speculator
 
     monkeypatch.setattr(speculator, "verify", verify_against_the_drafter(verify))

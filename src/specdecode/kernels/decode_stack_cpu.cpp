@@ -893,47 +893,33 @@ class DraftStep {
   // position, its probability).
   std::tuple<torch::Tensor, int64_t, double> step(Stack& layers, const torch::Tensor& tokens,
                                                   const OptTensor& features, int64_t slot, int64_t start) {
-    const int64_t T = tokens.size(1), S = start + T;
-    const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, embedding_.scalar_type());
-    // The drafter's forward (speculative/propose/drafters/eagle/model.py).
-    const auto e = embed(embedding_, tokens);  // [1, T, d]
-    torch::Tensor x;
-    OptTensor attn_input;
-    if (!features.has_value()) {
-      x = e;
-    } else if (attn_input_) {  // attention reads cat(norm(e), norm(f)); f is the residual
-      x = *features;
-      attn_input = join_normed(e, embed_norm_, embed_eps_, x, feature_norm_, feature_eps_);
-    } else {  // x = fc(cat(e', f')), normed where a norm is given
-      x = (*fc_)(join_normed(e, embed_norm_, embed_eps_, *features, feature_norm_, feature_eps_));
-    }
-    const auto out = layers.forward(x, rope.cos, rope.sin, slot, slot + 1, start, S, rope.mask, {}, attn_input).first;
-    // The head at the last position (EagleProposer.vocab_logits; a draft model's compute_logits).
-    auto h = out.select(1, T - 1);  // [1, d]
-    if (head_norm_.has_value()) h = rms_norm_op(h, *head_norm_, head_eps_);
-    const auto scores = head_(h.reshape({-1, h.size(-1)})).contiguous();  // [1, n]
+    const auto [out, scores] = forward(layers, tokens, features, slot, start);
     int64_t best = 0;
     double top = 0.0;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scores.scalar_type(), "draft_pick", [&] {
       std::tie(best, top) = pick(scores.data_ptr<scalar_t>(), scores.size(-1));
     });
-    const int64_t token = head_ids_.has_value() ? head_ids_->data_ptr<int64_t>()[best] : best;
-    return {out, token, top};
+    return {out, token_id(best), top};
   }
 
-  // Up to max_steps greedy steps in one call (no Python between them): the first as `step` with
-  // tokens and features at `start`, step s + 1 feeding the token drafted at s (and the drafter's
-  // output at its last position) at position next_start + s. Stops after a step whose probability
-  // is below p_min (ChainDraft.record drops that token, then the chain ends), and, given D-Cut's
-  // stop rule for one sequence (binned [k, bins, 2], pooled [bins, 2], scale [k], theta [k - 1]
-  // float64, bin_prior: speculative/policy/controller.py OneRowStop), after a step it says not to
-  // draft on from. Returns the drafted tokens and probabilities of the steps run.
+  // Up to max_steps steps in one call (no Python between them): the first as `step` with tokens and
+  // features at `start`, step s + 1 feeding the token drafted at s (and the drafter's output at its
+  // last position) at position next_start + s. Greedy, or, with temperature > 0, sampled: q =
+  // softmax(scores / temperature) over the scored tokens is written to probs [max_steps, V] (row s,
+  // at the tokens' ids; float32, zeros elsewhere) and step s draws by inverse CDF with uniforms[s]
+  // (float64 [max_steps]; sampling.py inverse_cdf: the same sequential float64 sums), its
+  // probability q's maximum. Stops after a step whose probability is below p_min (ChainDraft.record
+  // drops that token, then the chain ends), and, given D-Cut's stop rule for one sequence (binned
+  // [k, bins, 2], pooled [bins, 2], scale [k], theta [k - 1] float64, bin_prior:
+  // speculative/policy/controller.py OneRowStop), after a step it says not to draft on from.
+  // Returns the drafted tokens and probabilities of the steps run.
   std::pair<std::vector<int64_t>, std::vector<double>> chain(Stack& layers, torch::Tensor tokens, OptTensor features,
                                                              int64_t slot, int64_t start, int64_t next_start,
                                                              int64_t max_steps, double p_min, OptTensor binned,
                                                              OptTensor pooled, OptTensor scale, OptTensor theta,
-                                                             double bin_prior) {
-    const bool rule = binned.has_value();
+                                                             double bin_prior, double temperature, OptTensor uniforms,
+                                                             OptTensor probs) {
+    const bool rule = binned.has_value(), sampled = temperature > 0.0;
     if (rule) {
       TORCH_CHECK(pooled.has_value() && scale.has_value() && theta.has_value(), "chain: a stop rule needs every table");
       for (const OptTensor* t : {&binned, &pooled, &scale, &theta})
@@ -943,11 +929,28 @@ class DraftStep {
                       binned->size(0) >= max_steps,
                   "chain: stop-rule tables of mismatched shapes");
     }
+    if (sampled) {
+      TORCH_CHECK(uniforms.has_value() && uniforms->scalar_type() == at::kDouble && uniforms->is_contiguous() &&
+                      uniforms->numel() >= max_steps,
+                  "chain: sampling needs max_steps float64 uniforms");
+      TORCH_CHECK(probs.has_value() && probs->scalar_type() == at::kFloat && probs->is_contiguous() && probs->dim() == 2 &&
+                      probs->size(0) >= max_steps && probs->size(1) == embedding_.size(0),
+                  "chain: sampling needs a contiguous float32 probs [max_steps, V]");
+    }
     std::vector<int64_t> drafted;
     std::vector<double> tops;
     double survival = 1.0, tau = 1.0;  // the rule's a and tau (DepthController.one_row_survival)
     for (int64_t s = 0; s < max_steps; ++s) {
-      auto [out, token, top] = step(layers, tokens, features, slot, start);
+      const auto [out, scores] = forward(layers, tokens, features, slot, start);
+      int64_t best = 0;
+      double top = 0.0;
+      AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scores.scalar_type(), "draft_pick", [&] {
+        std::tie(best, top) =
+            sampled ? draw(scores.data_ptr<scalar_t>(), scores.size(-1), static_cast<float>(temperature),
+                           uniforms->data_ptr<double>()[s], probs->data_ptr<float>() + s * probs->size(1))
+                    : pick(scores.data_ptr<scalar_t>(), scores.size(-1));
+      });
+      const int64_t token = token_id(best);
       drafted.push_back(token);
       tops.push_back(top);
       if (top < p_min) break;
@@ -971,6 +974,65 @@ class DraftStep {
   }
 
  private:
+  // The drafter's forward, then its head at the last position -> (o [1, T, d], scores [1, n]).
+  std::pair<torch::Tensor, torch::Tensor> forward(Stack& layers, const torch::Tensor& tokens, const OptTensor& features,
+                                                  int64_t slot, int64_t start) {
+    const int64_t T = tokens.size(1), S = start + T;
+    const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, embedding_.scalar_type());
+    // The drafter's forward (speculative/propose/drafters/eagle/model.py).
+    const auto e = embed(embedding_, tokens);  // [1, T, d]
+    torch::Tensor x;
+    OptTensor attn_input;
+    if (!features.has_value()) {
+      x = e;
+    } else if (attn_input_) {  // attention reads cat(norm(e), norm(f)); f is the residual
+      x = *features;
+      attn_input = join_normed(e, embed_norm_, embed_eps_, x, feature_norm_, feature_eps_);
+    } else {  // x = fc(cat(e', f')), normed where a norm is given
+      x = (*fc_)(join_normed(e, embed_norm_, embed_eps_, *features, feature_norm_, feature_eps_));
+    }
+    const auto out = layers.forward(x, rope.cos, rope.sin, slot, slot + 1, start, S, rope.mask, {}, attn_input).first;
+    // The head at the last position (EagleProposer.vocab_logits; a draft model's compute_logits).
+    auto h = out.select(1, T - 1);  // [1, d]
+    if (head_norm_.has_value()) h = rms_norm_op(h, *head_norm_, head_eps_);
+    return {out, head_(h.reshape({-1, h.size(-1)})).contiguous()};  // [1, n]
+  }
+
+  // A scored row's token id (a reduced head maps it).
+  int64_t token_id(int64_t row) const { return head_ids_.has_value() ? head_ids_->data_ptr<int64_t>()[row] : row; }
+
+  // Scores s [n] -> a draw from q = softmax(float(s) / temperature): q written at the scored tokens'
+  // ids of q_out [V]; (the first token whose float64 running sum of q exceeds u * its total, kept
+  // below the total as in sampling.py inverse_cdf; q's maximum). Tokens of zero mass are never drawn.
+  template <typename scalar_t>
+  std::pair<int64_t, double> draw(const scalar_t* s, int64_t n, float temperature, double u, float* q_out) {
+    scaled_.resize(n);
+    float max = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) max = std::max(max, scaled_[i] = static_cast<float>(s[i]) / temperature);
+    double sum = 0.0;
+    for (int64_t i = 0; i < n; ++i) sum += scaled_[i] = std::exp(scaled_[i] - max);
+    const float inverse = static_cast<float>(1.0 / sum);
+    const int64_t* ids = head_ids_.has_value() ? head_ids_->data_ptr<int64_t>() : nullptr;
+    double total = 0.0;
+    float top = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float q = scaled_[i] * inverse;
+      scaled_[i] = q;
+      q_out[ids ? ids[i] : i] = q;
+      total += q;
+      top = std::max(top, q);
+    }
+    const double threshold = std::min(u * total, std::nextafter(total, 0.0));
+    double running = 0.0;
+    int64_t last = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      running += scaled_[i];
+      if (scaled_[i] > 0.0f) last = i;
+      if (running > threshold) return {i, top};
+    }
+    return {last, top};  // an all-zero row (NaN scores): no caller's q sums to zero
+  }
+
   // Scores s [n] -> (the first maximum, NaN counting as the largest as in torch.argmax: the full
   // vocabulary's argmax too, as a reduced head's ids ascend; its probability 1 / sum(exp(s - max)),
   // the softmax's maximum up to rounding). The scores as float are the float logits exactly.
@@ -999,6 +1061,7 @@ class DraftStep {
   double head_eps_;
   Linear head_;
   OptTensor head_ids_;
+  std::vector<float> scaled_;  // draw's scratch [n]
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

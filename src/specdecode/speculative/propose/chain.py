@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from specdecode.sampling import (RowMasks, SamplingBatch, adjust_logits, argmax, bitmask_words, process_logits,
-                                 race_noise)
+from specdecode.sampling import (RowMasks, SamplingBatch, adjust_logits, argmax, bitmask_words, inverse_cdf,
+                                 process_logits, race_noise)
 from specdecode.speculative.propose.proposer import Draft
 
 
@@ -15,7 +15,11 @@ class ChainDraft:
     Each step samples (or takes the argmax of) the drafter's processed distribution q for the
     still-active rows and records q, since rejection sampling needs the exact q the token
     was drawn from (an all-greedy, unadjusted batch records none: it is verified by token
-    equality, so its drafts go out one-hot). Confidence = the drafter's top probability at that
+    equality, so its drafts go out one-hot). A sampled row draws by inverse CDF with the uniform
+    of its position among max_tokens[b] float64 uniforms drawn once a proposal (from its
+    generator if seeded: a count that does not depend on the batch or on where the chain stops,
+    so the C++ chain, which is handed them all, and these steps consume the same); a keyed row
+    races q against the target's keyed noise instead. Confidence = the drafter's top probability at that
     position: it depends on the prefix only, never on the token drawn, which keeps D-Cut pruning
     lossless.
     p_min (llama.cpp): a row stops at the first position whose top probability is below
@@ -29,7 +33,10 @@ class ChainDraft:
     does not collapse.
     """
 
-    def __init__(self, batch_size: int, k: int, vocab_size: int, device, p_min: float = 0.0, stop=None):
+    def __init__(self, max_tokens: list[int], vocab_size: int, device, p_min: float = 0.0, stop=None):
+        batch_size, k = len(max_tokens), max(max_tokens, default=0)
+        self.max_tokens = max_tokens
+        self._uniforms: dict[int, list[float]] = {}  # row -> its max_tokens[row] uniforms (sampled rows)
         # Tokens and confidences are kept on the host (what every step reads back anyway) and made
         # tensors once, by `result`: [B][k], -1 / 0.0 where a row drafted nothing.
         self.tokens = [[-1] * k for _ in range(batch_size)]
@@ -64,6 +71,18 @@ class ChainDraft:
             self.forks[b].fill_mask(bitmask[g])
         return RowMasks(rows, bitmask)
 
+    def uniforms(self, row: int, generator: torch.Generator | None) -> list[float]:
+        """The proposal's max_tokens[row] float64 uniforms of a sampled row, drawn at first use."""
+        if row not in self._uniforms:
+            self._uniforms[row] = torch.rand(self.max_tokens[row], dtype=torch.float64, generator=generator).tolist()
+        return self._uniforms[row]
+
+    def probs_buffer(self) -> torch.Tensor:
+        """q's buffer [B, k, V], zeros until written (made at first use; a C++ chain writes a row's)."""
+        if self.probs is None:
+            self.probs = torch.zeros(self.shape, device=self.device)
+        return self.probs
+
     def add_step(self, active: list[int], step: int, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
         """logits [A, V] of the active rows -> the drafted token of each active row (-1 = stopped by p_min)."""
         # An all-greedy, unadjusted batch: q is the softmax of the logits (temperature 1, no filter),
@@ -76,14 +95,21 @@ class ChainDraft:
         q = torch.softmax(logits, dim=-1) if sub is None else process_logits(logits, sub)  # [A, V]
         chosen = argmax(logits)
         if sub is not None and not sub.all_greedy:
-            # Keyed rows race q against the noise the target will race p against at this position
-            # (Gumbel coupling): the draft is the target's token whenever q and p allow it.
-            noise = race_noise(sub, logits.shape[-1], offset=step)
-            chosen = torch.where(sub.temperature > 0, (q / noise).argmax(dim=-1), chosen)
+            keyed = set(sub.keyed_rows)
+            drawn = [j for j in range(len(active)) if not sub.greedy[j] and j not in keyed]
+            if drawn:
+                u = [self.uniforms(active[j], sub.generators[j])[step] for j in drawn]
+                index = torch.tensor(drawn, device=self.device)
+                tokens = inverse_cdf(q[index], torch.tensor(u, dtype=torch.float64, device=self.device))
+                chosen = chosen.index_copy(0, index, tokens)
+            if keyed:
+                # Keyed rows race q against the noise the target will race p against at this position
+                # (Gumbel coupling): the draft is the target's token whenever q and p allow it.
+                index = torch.tensor(sub.keyed_rows, device=self.device)
+                noise = race_noise(sub.select(sub.keyed_rows), logits.shape[-1], offset=step)
+                chosen = chosen.index_copy(0, index, (q[index] / noise).argmax(dim=-1))
         if sub is not None:
-            if self.probs is None:
-                self.probs = torch.zeros(self.shape, device=self.device)
-            self.probs[torch.tensor(active, device=self.device), step] = q
+            self.probs_buffer()[torch.tensor(active, device=self.device), step] = q
         return self.record(active, step, chosen.tolist(), q.max(dim=-1).values.tolist())
 
     def record(self, active: list[int], step: int, chosen: list[int], tops: list[float]) -> list[int]:

@@ -1,18 +1,24 @@
-"""A greedy chain-drafting step as one C++ call (`DraftStep` in kernels/decode_stack_cpu.cpp), for
-the feature drafters (EAGLE, EAGLE-3, MTP: `for_feature_drafter`) and draft models (`for_draft_model`).
+"""A chain-drafting step as one C++ call (`DraftStep` in kernels/decode_stack_cpu.cpp), for the
+feature drafters (EAGLE, EAGLE-3, MTP: `for_feature_drafter`) and draft models (`for_draft_model`).
 
 Why: on the default model (float32 activations, int8 weights, 2-core AVX2 EPYC) an EAGLE-3 drafting
 step measured ~1.25 ms through `EagleProposer`'s Python step, of which the block's C++ call and the
 head take ~0.4 ms: the rest is entry and mask building, the embedding, RoPE tables, the input norms
 and concatenation, the head's scatter into the full vocabulary and softmax / argmax / max over it
-(a draft model's step pays the same through the runner).
+(a draft model's step pays the same through the runner). Sampled drafting (T > 0) through the
+Python step spent another ~0.24 ms a step in `ChainDraft.add_step`.
 
-Contract: the drafter's outputs, its cache and the drafted tokens are bit-identical to the Python
-step's (the same ops in the same order on the same kernels; tests/test_native_draft.py); the drafted
-token's probability (its confidence, read by p_min and D-Cut) is 1 / sum(exp(logits - max)), the
-softmax's maximum up to rounding.
+Contract: the drafter's outputs, its cache and the greedy drafted tokens are bit-identical to the
+Python step's (the same ops in the same order on the same kernels; tests/test_native_draft.py); the
+drafted token's probability (its confidence, read by p_min and D-Cut) is 1 / sum(exp(logits - max)),
+the softmax's maximum up to rounding. A sampled chain computes q = softmax(logits / T) itself (equal
+to `process_logits`' up to rounding) and draws with the row's proposal uniforms
+(`ChainDraft.uniforms`) by the same inverse CDF as the Python step: the same seeded stream either
+way, and the same tokens wherever the two q agree to the last bit (where they do not, both are
+exact draws from the q they record, which is what verification reads).
 
-Served for one sequence of an all-greedy, unadjusted batch (`ChainDraft.one_hot`), outside autograd
+Served for one sequence that is greedy in an all-greedy, unadjusted batch (`ChainDraft.one_hot`), or
+sampled with a temperature alone (no top-k, top-p, min_p, adjustment, grammar or key), outside autograd
 and `torch.compile`, where the layers are served by the C++ stack (models/native_stack.py), the
 drafter is a standard variant (not the target's own MTP layers), the embedding and the norms are
 plain modules in the activations' dtype, the head is a linear layer the stack computes (or a
@@ -30,13 +36,14 @@ from specdecode.models.layers import RotaryEmbedding
 from specdecode.models.llama import NATIVE_TYPES, LlamaForCausalLM
 from specdecode.models.native_stack import (NativeStack, NotServed, Watch, forward_hooks, native_block_for,
                                             native_stack_for, norm_weight, served_linear)
+from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.draft_vocab import ReducedHead
 from specdecode.speculative.propose.drafters.eagle.model import Eagle1Drafter, Eagle3Drafter, EagleDrafter, MtpDrafter
 
 
 class NativeDraftStep:
-    """One drafter's greedy step as a C++ `DraftStep`. Build it with `for_feature_drafter` or
+    """One drafter's step as a C++ `DraftStep`. Build it with `for_feature_drafter` or
     `for_draft_model`; they raise NotServed where a piece is not one the step reproduces, and
     `watch` records what was looked at (a changed model is examined again)."""
 
@@ -114,18 +121,23 @@ class NativeDraftStep:
 
     def draft(self, layers: NativeStack, chain: ChainDraft, row: int, max_tokens: list[int], tokens: list[int],
               features: torch.Tensor | None, slot: int, start: int, next_start: int, cache_k: list[torch.Tensor],
-              cache_v: list[torch.Tensor]) -> int:
-        """Draft row `row` of `chain` greedily: the first step feeds tokens [T] (and features [1, T, d])
-        at drafter positions start .., step s + 1 the token drafted at s (and the drafter's output
-        there) at `next_start + s`. Without a stop rule, or with D-Cut's (whose one-sequence form
-        the C++ chain evaluates), every step runs in one C++ call, p_min applied there; with another
-        rule, a call a step, the rule asked between them. Returns the number of steps run."""
+              cache_v: list[torch.Tensor], temperature: float, generator: torch.Generator | None) -> int:
+        """Draft row `row` of `chain` (greedy, or sampled at `temperature` > 0 with the row's
+        generator): the first step feeds tokens [T] (and features [1, T, d]) at drafter positions
+        start .., step s + 1 the token drafted at s (and the drafter's output there) at
+        `next_start + s`. Without a stop rule, or with D-Cut's (whose one-sequence form the C++
+        chain evaluates), every step runs in one C++ call, p_min applied there; with another rule
+        (greedy only: `native_temperature`), a call a step, the rule asked between them. Returns the
+        number of steps run."""
         one_row = getattr(chain.stop, "one_row", None)
         if chain.stop is None or one_row is not None:
             ids = torch.tensor([tokens], dtype=torch.long)
             rule = (None, None, None, None, 0.0) if one_row is None else one_row()
+            sampled = (temperature, None, None) if temperature == 0 else (
+                temperature, torch.tensor(chain.uniforms(row, generator), dtype=torch.float64),
+                chain.probs_buffer()[row])
             drafted, tops = layers.draft_chain(self._step, cache_k, cache_v, ids, features, slot, start, next_start,
-                                               max_tokens[row], chain.p_min, *rule)
+                                               max_tokens[row], chain.p_min, *rule, *sampled)
             for step, (token, top) in enumerate(zip(drafted, tops)):
                 chain.record([row], step, [token], [top])
             return len(drafted)
@@ -141,10 +153,22 @@ class NativeDraftStep:
         return max_tokens[row]
 
 
-def one_greedy_sequence(active: list[int], sampling, device: torch.device, compiled: bool, enabled: bool) -> bool:
-    """Whether a proposal may draft through the C++ step: one sequence of an all-greedy, unadjusted
-    batch, on a CPU, eager, and the proposer's `native_drafting` on."""
-    return len(active) == 1 and ChainDraft.one_hot(sampling) and device.type == "cpu" and not compiled and enabled
+def native_temperature(active: list[int], sampling: SamplingBatch, chain: ChainDraft, device: torch.device,
+                       compiled: bool, enabled: bool) -> float | None:
+    """The temperature a proposal may draft at through the C++ step (0: greedy), or None: one
+    sequence, on a CPU, eager, the proposer's `native_drafting` on, and either an all-greedy,
+    unadjusted batch or a sampled row with a temperature alone, drafted without a stop rule or
+    with one the C++ chain evaluates."""
+    if len(active) != 1 or device.type != "cpu" or compiled or not enabled:
+        return None
+    if ChainDraft.one_hot(sampling):
+        return 0.0
+    row = active[0]
+    if (sampling.greedy[row] or sampling.keyed_rows or sampling.needs_filter or sampling.min_p is not None
+            or sampling.adjusts or sampling.constrained
+            or (chain.stop is not None and getattr(chain.stop, "one_row", None) is None)):
+        return None
+    return float(sampling.temperature[row])
 
 
 def _norm(owner: nn.Module | None, name: str, dtype: torch.dtype, watch: Watch) -> tuple[torch.Tensor | None, float]:

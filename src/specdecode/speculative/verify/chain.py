@@ -36,7 +36,8 @@ import dataclasses
 
 import torch
 
-from specdecode.sampling import SamplingBatch, adjust_logits, argmax, exponential_noise, process_logits, race_noise
+from specdecode.sampling import (SamplingBatch, adjust_logits, argmax, inverse_cdf, process_logits, race_noise,
+                                 uniform_draws)
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,18 +55,11 @@ class Verified:
         return self._host
 
 
-def uniform_draws(rows: int, cols: int, generators: list[torch.Generator | None], device) -> torch.Tensor:
-    """[rows, cols] uniforms for verification; a seeded row draws its own `cols` from its generator."""
-    u = torch.rand(rows, cols, device=device)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            u[row] = torch.rand(cols, device=device, generator=gen)
-    return u
-
-
 def skip_uniform_draws(cols: int, generators: list[torch.Generator | None], device) -> None:
-    """Advance each seeded row's generator as `uniform_draws` would, without drawing for the
-    other rows: a step with nothing to verify keeps seeded streams batch-independent."""
+    """Advance each seeded row's generator as `verify`'s acceptance draws would (`cols` float32
+    uniforms), without drawing for the other rows: a step with nothing to verify then samples its
+    token as plain decoding does, drawing what `verify`'s final token would, so seeded streams stay
+    batch-independent."""
     for gen in generators:
         if gen is not None:
             torch.rand(cols, device=device, generator=gen)
@@ -136,8 +130,7 @@ def verify(
     mass = residual_at.sum(dim=-1, keepdim=True)
     # p == q exactly makes rejection impossible in theory; guard the float-rounding case.
     final_dist = torch.where(rejected & (mass > 0), residual_at / mass.clamp(min=1e-30), p_at)
-    noise = exponential_noise(B, V, sampling.generators, device)
-    final_token = (final_dist / noise).argmax(dim=-1)
+    final_token = inverse_cdf(final_dist, uniform_draws(B, 1, sampling.generators, device, torch.float64)[:, 0])
 
     deterministic = sampling.temperature == 0
     if sampling.keyed_rows:

@@ -97,7 +97,7 @@ class DFlashProposer(TargetFeatureBuffer):
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         B, k = len(seqs), max(max_tokens)
-        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min)
+        chain = ChainDraft(max_tokens, self.vocab_size, self.device, self.p_min)
         active = [b for b in range(B) if max_tokens[b] > 0]
         if not active:
             return chain.result()

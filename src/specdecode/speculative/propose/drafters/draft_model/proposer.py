@@ -22,7 +22,7 @@ from specdecode.models.native_stack import current_or_rebuilt
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.draft_vocab import draft_head
-from specdecode.speculative.propose.native_step import NativeDraftStep, one_greedy_sequence
+from specdecode.speculative.propose.native_step import NativeDraftStep, native_temperature
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -62,7 +62,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
 
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         k = max(max_tokens)
-        chain = ChainDraft(len(seqs), k, self.model.config.vocab_size, self.device, self.p_min, stop)
+        chain = ChainDraft(max_tokens, self.model.config.vocab_size, self.device, self.p_min, stop)
         active = [b for b in range(len(seqs)) if max_tokens[b] > 0]
         # First forward: catch up on committed tokens the drafter has not seen.
         entries = {}
@@ -88,8 +88,9 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
     @torch.inference_mode()
     def _draft_natively(self, seqs, active: list[int], entries: dict[int, ForwardEntry], chain: ChainDraft,
                         max_tokens: list[int], sampling: SamplingBatch) -> bool:
-        """One greedy sequence: draft its chain one C++ call a step (native_step.py), where served."""
-        if not one_greedy_sequence(active, sampling, self.device, self.compiled, self.native_drafting):
+        """One sequence: draft its chain in C++ (native_step.py), where served."""
+        temperature = native_temperature(active, sampling, chain, self.device, self.compiled, self.native_drafting)
+        if temperature is None:
             return False
         self._native = current_or_rebuilt(self._native, lambda watch: NativeDraftStep.for_draft_model(self.model, watch))
         native, (b,) = self._native[1], active
@@ -98,7 +99,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
             return False
         seq, cache = seqs[b], self.runner.kv_cache
         steps = native.draft(layers, chain, b, max_tokens, entries[b].token_ids, None, seq.slot, entries[b].start,
-                             seq.num_tokens, cache.k, cache.v)
+                             seq.num_tokens, cache.k, cache.v, temperature, sampling.generators[b])
         self.state(seq).num_fed = steps - 1  # every drafted token but the last was fed back
         return True
 

@@ -21,7 +21,7 @@ from specdecode.speculative.propose.drafters.eagle.model import BuiltinMtpDrafte
 from specdecode.speculative.propose.draft_vocab import draft_head
 from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
-from specdecode.speculative.propose.native_step import NativeDraftStep, one_greedy_sequence
+from specdecode.speculative.propose.native_step import NativeDraftStep, native_temperature
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -147,8 +147,9 @@ class EagleProposer(TargetFeatureBuffer):
 
     def _draft_natively(self, seqs, active: list[int], first, chain: ChainDraft, max_tokens: list[int],
                         sampling: SamplingBatch) -> bool:
-        """One greedy sequence: draft its chain one C++ call a step (native_step.py), where served."""
-        if not one_greedy_sequence(active, sampling, self.device, self.compiled, self.native_drafting):
+        """One sequence: draft its chain in C++ (native_step.py), where served."""
+        temperature = native_temperature(active, sampling, chain, self.device, self.compiled, self.native_drafting)
+        if temperature is None:
             return False
         (entry, feature), native = first[active[0]], self._native_step()
         layers = native.layers_serving(feature) if native is not None and entry.token_ids else None
@@ -156,7 +157,8 @@ class EagleProposer(TargetFeatureBuffer):
             return False
         seq, cache = seqs[active[0]], self.drafter.cache_arguments(self.kv_cache, 0)
         native.draft(layers, chain, active[0], max_tokens, entry.token_ids, feature[None], seq.slot, entry.start,
-                     seq.num_tokens - 1, [cache["cache_k"]], [cache["cache_v"]])
+                     seq.num_tokens - 1, [cache["cache_k"]], [cache["cache_v"]], temperature,
+                     sampling.generators[active[0]])
         return True
 
     @torch.inference_mode()
@@ -164,7 +166,7 @@ class EagleProposer(TargetFeatureBuffer):
         if self.topk > 1:
             return propose_dynamic_tree(self, seqs, max_tokens, self.topk, self.depth, self.num_nodes, self.device)
         B, k = len(seqs), max(max_tokens)
-        chain = ChainDraft(B, k, self.vocab_size, self.device, self.p_min, stop)
+        chain = ChainDraft(max_tokens, self.vocab_size, self.device, self.p_min, stop)
         active = [b for b in range(B) if max_tokens[b] > 0]
         first = self._catch_up(seqs, active)
         if self._draft_natively(seqs, active, first, chain, max_tokens, sampling):
