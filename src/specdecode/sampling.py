@@ -163,7 +163,8 @@ class SamplingBatch:
         repeat samples the token j positions later (keyed rows' noise follows it). The repeats
         carry no draft context or grammar masks: `with_context` adds them."""
         device = self.temperature.device
-        index = torch.repeat_interleave(torch.arange(len(counts), device=device), torch.tensor(counts, device=device))
+        # (from a host list: torch.repeat_interleave with a tensor of counts took ~20 us a call here)
+        index = torch.tensor([i for i, c in enumerate(counts) for _ in range(c)], dtype=torch.long, device=device)
         gens = [g for g, c in zip(self.generators, counts) for _ in range(c)]
         keyed, noise_keys, positions = [], None, None
         if self.keyed_rows:

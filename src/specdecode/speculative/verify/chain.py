@@ -85,24 +85,25 @@ def verify(
     positions = torch.arange(k, device=device)[None, :]  # [1, k]
     in_draft = positions < num_draft[:, None]  # [B, k]
     safe_drafts = draft_token_ids.clamp(min=0)
+    if rows is None:
+        rows = sampling.repeat_rows([k + 1] * B)
 
     # Deterministic rule (greedy and keyed rows): accept while the draft equals the target's own
     # choice; the token at the first mismatch (or after the last draft) is its choice there.
-    choice = argmax(target_logits)  # [B, k + 1]
-    p = None
-    if rows is None and (sampling.keyed_rows or not sampling.all_deterministic):
-        rows = sampling.repeat_rows([k + 1] * B)
-    if sampling.keyed_rows:
-        keyed = torch.tensor(sampling.keyed_rows, device=device)
-        p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
-        noise = race_noise(rows.select([r * (k + 1) + j for r in sampling.keyed_rows for j in range(k + 1)]), V)
-        race = p[keyed] / noise.view(len(sampling.keyed_rows), k + 1, V)  # plain decoding's draw at each position
-        choice = choice.index_copy(0, keyed, race.argmax(dim=-1))
-    exact_ok = (draft_token_ids == choice[:, :k]) & in_draft
-    exact_accepted = exact_ok.long().cumprod(dim=1).sum(dim=1)  # [B]
-    exact_final = choice.gather(1, exact_accepted[:, None])[:, 0]
-    if sampling.all_deterministic:
-        return _assemble(draft_token_ids, exact_accepted, exact_final)
+    p = exact = None
+    if sampling.keyed_rows or any(sampling.greedy):
+        choice = argmax(target_logits)  # [B, k + 1]
+        if sampling.keyed_rows:
+            keyed = torch.tensor(sampling.keyed_rows, device=device)
+            p = process_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
+            noise = race_noise(rows.select([r * (k + 1) + j for r in sampling.keyed_rows for j in range(k + 1)]), V)
+            race = p[keyed] / noise.view(len(sampling.keyed_rows), k + 1, V)  # plain decoding's draw at each position
+            choice = choice.index_copy(0, keyed, race.argmax(dim=-1))
+        exact_ok = (draft_token_ids == choice[:, :k]) & in_draft
+        exact_accepted = exact_ok.long().cumprod(dim=1).sum(dim=1)  # [B]
+        exact = (exact_accepted, choice.gather(1, exact_accepted[:, None])[:, 0])
+        if sampling.all_deterministic:
+            return _assemble(draft_token_ids, *exact)
 
     # Sampling rule (rows with temperature > 0 that are not keyed).
     if p is None:
@@ -116,27 +117,27 @@ def verify(
     accept = (u * q_draft < p_draft) & in_draft  # u < p/q without dividing by q
     sampled_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # [B]
 
-    # Distribution of the final token: the residual at the first rejection, else p (bonus).
-    if draft_probs is None:
-        q_full = torch.zeros_like(p[:, :k]).scatter_(2, safe_drafts[:, :, None], 1.0)
+    # The final token's distribution, at the position after the accepted drafts only: the residual
+    # max(0, p - q) at a rejection, else p (the bonus); `inverse_cdf` normalises it.
+    batch = torch.arange(B, device=device)
+    p_at = p[batch, sampled_accepted]  # [B, V]
+    rejected_at = sampled_accepted.clamp(max=k - 1)  # the rejected position, where there is one
+    if draft_probs is None:  # q one-hot at the draft: the residual is p without the drafted token
+        residual_at = p_at.scatter(1, safe_drafts[batch, rejected_at][:, None], 0.0)
     else:
-        q_full = draft_probs
-    residual = (p[:, :k] - q_full).clamp(min=0)  # [B, k, V]
-    residual = torch.cat([residual, torch.zeros_like(p[:, :1])], dim=1)  # [B, k + 1, V]
-    at = sampled_accepted[:, None, None].expand(B, 1, V)
-    residual_at = residual.gather(1, at)[:, 0]  # [B, V]
-    p_at = p.gather(1, at)[:, 0]
-    rejected = (sampled_accepted < num_draft)[:, None]
-    mass = residual_at.sum(dim=-1, keepdim=True)
+        residual_at = (p_at - draft_probs[batch, rejected_at]).clamp_(min=0)
     # p == q exactly makes rejection impossible in theory; guard the float-rounding case.
-    final_dist = torch.where(rejected & (mass > 0), residual_at / mass.clamp(min=1e-30), p_at)
+    use_residual = (sampled_accepted < num_draft) & (residual_at.sum(dim=-1) > 0)
+    final_dist = torch.where(use_residual[:, None], residual_at, p_at)
     final_token = inverse_cdf(final_dist, uniform_draws(B, 1, sampling.generators, device, torch.float64)[:, 0])
+    if exact is None:
+        return _assemble(draft_token_ids, sampled_accepted, final_token)
 
     deterministic = sampling.temperature == 0
     if sampling.keyed_rows:
         deterministic = deterministic.index_fill(0, keyed, True)
-    num_accepted = torch.where(deterministic, exact_accepted, sampled_accepted)
-    return _assemble(draft_token_ids, num_accepted, torch.where(deterministic, exact_final, final_token))
+    num_accepted = torch.where(deterministic, exact[0], sampled_accepted)
+    return _assemble(draft_token_ids, num_accepted, torch.where(deterministic, exact[1], final_token))
 
 
 def _greedy(drafts: list[list[int]], num_draft: list[int], choice: list[list[int]], device) -> Verified:
