@@ -863,8 +863,9 @@ class ChainForward {
   Linear head_;
 };
 
-// One chain-drafting step with a greedy pick, as one C++ call: a feature drafter's (EAGLE, EAGLE-3,
-// MTP) or a draft model's (speculative/propose/native_step.py). The proposers' Python step (entry
+// One chain-drafting step with a greedy pick (or a chain of steps, greedy or sampled), as one C++
+// call: a feature drafter's (EAGLE, EAGLE-3, MTP) or a draft model's
+// (speculative/propose/native_step.py). The proposers' Python step (entry
 // and mask building, embedding, RoPE tables, input norms and concatenation, the layers, the head,
 // softmax / argmax / max over the vocabulary) costs ~0.8 ms of ops around ~0.3 ms of matmuls on a
 // 2-core EPYC; this runs the same ops in the same order, so the drafter's output and its argmax

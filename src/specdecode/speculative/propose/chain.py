@@ -74,7 +74,8 @@ class ChainDraft:
     def uniforms(self, row: int, generator: torch.Generator | None) -> list[float]:
         """The proposal's max_tokens[row] float64 uniforms of a sampled row, drawn at first use."""
         if row not in self._uniforms:
-            self._uniforms[row] = torch.rand(self.max_tokens[row], dtype=torch.float64, generator=generator).tolist()
+            self._uniforms[row] = torch.rand(self.max_tokens[row], dtype=torch.float64, device=self.device,
+                                             generator=generator).tolist()
         return self._uniforms[row]
 
     def probs_buffer(self) -> torch.Tensor:
