@@ -34,6 +34,7 @@
 #include <memory>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -1008,30 +1009,51 @@ class DraftStep {
   template <typename scalar_t>
   std::pair<int64_t, double> draw(const scalar_t* s, int64_t n, float temperature, double u, float* q_out) {
     scaled_.resize(n);
-    float max = -std::numeric_limits<float>::infinity();
-    for (int64_t i = 0; i < n; ++i) max = std::max(max, scaled_[i] = static_cast<float>(s[i]) / temperature);
+    float* q = scaled_.data();
+    float top;
+#if SPECDECODE_LEAN_PATH
+    if constexpr (!std::is_same_v<scalar_t, double>) {  // double scores: the scalar loops
+      const float max = scores_max(s, n, temperature, q);  // q = float(s) / temperature
+      if (std::isfinite(max)) {
+        top = 1.0f / exp_sum(q, n, max, q);  // q = exp(q - max); the maximum's is exactly 1
+        const __m256 inverse = _mm256_set1_ps(top);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) _mm256_storeu_ps(q + i, _mm256_mul_ps(_mm256_loadu_ps(q + i), inverse));
+        for (; i < n; ++i) q[i] *= top;
+        return {inverse_cdf(q, n, u, q_out), top};
+      }
+    }
+#endif
+    float max_ = -std::numeric_limits<float>::infinity();  // NaN or infinite scores: scalar, as torch
+    for (int64_t i = 0; i < n; ++i) max_ = std::max(max_, q[i] = static_cast<float>(s[i]) / temperature);
     double sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) sum += scaled_[i] = std::exp(scaled_[i] - max);
+    for (int64_t i = 0; i < n; ++i) sum += q[i] = std::exp(q[i] - max_);
     const float inverse = static_cast<float>(1.0 / sum);
+    top = 0.0f;
+    for (int64_t i = 0; i < n; ++i) top = std::max(top, q[i] *= inverse);
+    return {inverse_cdf(q, n, u, q_out), top};
+  }
+
+  // q [n] (>= 0) -> q written at the scored tokens' ids of q_out [V]; the first row whose float64
+  // running sum exceeds u * the total (sequential sums, as sampling.py inverse_cdf's cumsum).
+  int64_t inverse_cdf(const float* q, int64_t n, double u, float* q_out) const {
     const int64_t* ids = head_ids_.has_value() ? head_ids_->data_ptr<int64_t>() : nullptr;
     double total = 0.0;
-    float top = 0.0f;
-    for (int64_t i = 0; i < n; ++i) {
-      const float q = scaled_[i] * inverse;
-      scaled_[i] = q;
-      q_out[ids ? ids[i] : i] = q;
-      total += q;
-      top = std::max(top, q);
+    for (int64_t i = 0; i < n; ++i) total += q[i];
+    if (ids) {
+      for (int64_t i = 0; i < n; ++i) q_out[ids[i]] = q[i];
+    } else {
+      std::memcpy(q_out, q, n * sizeof(float));
     }
     const double threshold = std::min(u * total, std::nextafter(total, 0.0));
     double running = 0.0;
     int64_t last = 0;
     for (int64_t i = 0; i < n; ++i) {
-      running += scaled_[i];
-      if (scaled_[i] > 0.0f) last = i;
-      if (running > threshold) return {i, top};
+      running += q[i];
+      if (q[i] > 0.0f) last = i;
+      if (running > threshold) return i;
     }
-    return {last, top};  // an all-zero row (NaN scores): no caller's q sums to zero
+    return last;  // an all-zero row (NaN scores): no caller's q sums to zero
   }
 
   // Scores s [n] -> (the first maximum, NaN counting as the largest as in torch.argmax: the full
@@ -1039,16 +1061,93 @@ class DraftStep {
   // the softmax's maximum up to rounding). The scores as float are the float logits exactly.
   template <typename scalar_t>
   static std::pair<int64_t, double> pick(const scalar_t* s, int64_t n) {
-    int64_t best = 0;
-    float max = static_cast<float>(s[0]);
-    for (int64_t i = 1; i < n && !std::isnan(max); ++i) {
+#if SPECDECODE_LEAN_PATH
+    if constexpr (!std::is_same_v<scalar_t, double>) {  // double scores: the scalar loops
+      const float max = scores_max(s, n, 1.0f, nullptr);
+      if (std::isfinite(max)) return {first_equal(s, n, max), static_cast<double>(1.0f / exp_sum(s, n, max, nullptr))};
+    }
+#endif
+    int64_t best = 0;  // NaN or infinite scores: scalar
+    float max_ = static_cast<float>(s[0]);
+    for (int64_t i = 1; i < n && !std::isnan(max_); ++i) {
       const float v = static_cast<float>(s[i]);
-      if (v > max || std::isnan(v)) best = i, max = v;
+      if (v > max_ || std::isnan(v)) best = i, max_ = v;
     }
     double sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(static_cast<float>(s[i]) - max));
+    for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(static_cast<float>(s[i]) - max_));
     return {best, static_cast<double>(static_cast<float>(1.0 / sum))};
   }
+
+#if SPECDECODE_LEAN_PATH
+  // 8 lanes over the vocabulary (~8x the scalar loops, whose std::exp over 8,192 scores cost ~30 us
+  // a step); what they compute differs from the scalar loops' only in rounding.
+  static __m256 load_scores8(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 load_scores8(const at::BFloat16* p) { return attention_kernels::load8(p); }
+  static __m256 load_scores8(const at::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+
+  // max of x = float(s) / divisor (written to x_out where given; divisor 1 is not applied), NaN where
+  // any x is NaN.
+  template <typename scalar_t>
+  static float scores_max(const scalar_t* s, int64_t n, float divisor, float* x_out) {
+    const bool divide = divisor != 1.0f;
+    const __m256 d = _mm256_set1_ps(divisor);
+    __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), unordered = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      __m256 x = load_scores8(s + i);
+      if (divide) x = _mm256_div_ps(x, d);
+      if (x_out) _mm256_storeu_ps(x_out + i, x);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      vmax = _mm256_max_ps(vmax, x);
+    }
+    float max = attention_kernels::max8(vmax);
+    bool nan = _mm256_movemask_ps(unordered) != 0;
+    for (; i < n; ++i) {
+      float x = static_cast<float>(s[i]);
+      if (divide) x /= divisor;
+      if (x_out) x_out[i] = x;
+      nan |= std::isnan(x);
+      max = std::max(max, x);
+    }
+    return nan ? std::numeric_limits<float>::quiet_NaN() : max;
+  }
+
+  // The first i with float(s[i]) == max (max one of them).
+  template <typename scalar_t>
+  static int64_t first_equal(const scalar_t* s, int64_t n, float max) {
+    const __m256 m = _mm256_set1_ps(max);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load_scores8(s + i), m, _CMP_EQ_OQ));
+      if (hits) return i + __builtin_ctz(hits);
+    }
+    for (; i < n && static_cast<float>(s[i]) != max; ++i) {
+    }
+    return i;
+  }
+
+  // sum of exp(float(x) - max) (max >= every x, finite), each written to e_out where given.
+  template <typename scalar_t>
+  static float exp_sum(const scalar_t* x, int64_t n, float max, float* e_out) {
+    const __m256 m = _mm256_set1_ps(max);
+    __m256 sum = _mm256_setzero_ps();
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+      const __m256 e = attention_kernels::exp_nonpositive(_mm256_sub_ps(load_scores8(x + i), m));
+      if (e_out) _mm256_storeu_ps(e_out + i, e);
+      sum = _mm256_add_ps(sum, e);
+    }
+    float total = attention_kernels::fixed_sum8(sum);
+    for (; i < n; ++i) {
+      const float e = std::exp(static_cast<float>(x[i]) - max);
+      if (e_out) e_out[i] = e;
+      total += e;
+    }
+    return total;
+  }
+#endif
 
   torch::Tensor embedding_, inv_freq_;
   double attention_factor_;
