@@ -94,6 +94,23 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert attach_few_row_kernels(fresh, torch.bfloat16) == {} and fresh[0].few_rows is None  # never faster
 
 
+def test_a_lost_width_is_measured_again_before_it_counts(monkeypatch):
+    # Scripted seconds per cold call, in call order (candidate, baseline, round by round): width 1
+    # wins at once; width 2 loses its first measurement (a burst of load) and wins the next; width
+    # 4 loses all 1 + PROBE_CONFIRM of them.
+    rounds, confirm = kernel_probe.PROBE_ROUNDS, kernel_probe.PROBE_CONFIRM
+    wins, loses = [1.0, 2.0] * rounds, [3.0, 2.0] * rounds
+    script = {1: iter(wins), 2: iter(loses + wins), 4: iter(loses * (1 + confirm))}
+
+    def cold(layers, x, flush, repeats=3):
+        return 0.0 if repeats == 1 else next(script[len(x)])  # (1: the warm-up)
+
+    monkeypatch.setattr(kernel_probe, "cold_seconds", cold)
+    monkeypatch.setattr(kernel_probe, "FLUSH_BYTES", 64)
+    assert kernel_probe.faster_by_width([None], [None], 8, torch.float32, (1, 2, 4)) == [True, True, False]
+    assert all(next(times, None) is None for times in script.values())  # measured exactly as scripted
+
+
 def test_exact_mode_keeps_onednn_at_every_width():
     from specdecode.defaults import default_model_dir
     from specdecode.exact.rows import make_rows_invariant
