@@ -14,7 +14,6 @@ from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
 from specdecode.models.inference import PackedLinear, can_pack, select_output_rows
 from specdecode.models.quant import QuantizedLinear, QuantScheme
-from specdecode.speculative.propose import draft_vocab
 from specdecode.speculative.propose.draft_vocab import ReducedHead, load_frequencies, most_frequent
 from specdecode.train.token_frequencies import write_frequencies
 
@@ -131,31 +130,6 @@ def test_a_reduced_vocabulary_with_quantised_weights_is_lossless(native_model, t
         assert generate_ids(native_model, PROMPTS, GREEDY, config, quantization=quantization) == plain
 
 
-def _head_widths(llm) -> list[int]:
-    """The number of tokens each of the EAGLE-family proposer's drafting heads scores."""
-    x = torch.zeros(1, llm.speculator.proposer.target.config.hidden_size)
-    return [int(torch.isfinite(head(x)).sum()) for head in llm.speculator.proposer.draft_heads.values()]
-
-
-def test_a_method_drafts_over_its_default_vocabulary_where_token_counts_are_at_hand(
-        native_model, trained_drafters, frequencies, monkeypatch):
-    monkeypatch.setattr(draft_vocab, "DEFAULT_DRAFT_VOCAB_SIZE", {"mtp": KEEP})  # 2,048 of the default model's 8,192
-    plain = generate_ids(native_model, PROMPTS, GREEDY)
-    mtp = {"method": "mtp", "model": str(trained_drafters["mtp"]), "num_speculative_tokens": 3}
-    counted = {**mtp, "draft_vocab_frequencies": str(frequencies)}
-    llm = LLM(native_model, dtype="float32", speculative_config=counted)
-    assert _head_widths(llm) == [KEEP]
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == plain
-    # 0: every token; a size of its own; no counts at hand (none beside the test model): every token.
-    assert _head_widths(LLM(native_model, dtype="float32", speculative_config={**counted, "draft_vocab_size": 0})) == [320]
-    assert _head_widths(LLM(native_model, dtype="float32", speculative_config={**counted, "draft_vocab_size": 64})) == [64]
-    assert _head_widths(LLM(native_model, dtype="float32", speculative_config=mtp)) == [320]
-    # A method without a default keeps its own head (EAGLE-3: its draft vocabulary).
-    eagle3 = {"method": "eagle3", "model": str(trained_drafters["eagle3"]), "draft_vocab_frequencies": str(frequencies)}
-    llm = LLM(native_model, dtype="float32", speculative_config=eagle3)
-    assert _head_widths(llm) == [len(llm.speculator.proposer.drafter.draft_to_target)]
-
-
 def test_the_frequency_file_counts_the_corpus(native_model, frequencies):
     from specdecode.tokenizer import Tokenizer
 
@@ -170,7 +144,7 @@ def test_bad_reduced_vocabulary_configurations_are_refused(native_model, trained
     with pytest.raises(ConfigError, match="draft_vocab_size.*learned drafter"):
         LLM(native_model, dtype="float32", speculative_config={"method": "ngram", "draft_vocab_size": 8})
     with pytest.raises(ConfigError, match="draft_vocab_size is invalid"):
-        LLM(native_model, dtype="float32", speculative_config={**mtp, "draft_vocab_size": -1})
+        LLM(native_model, dtype="float32", speculative_config={**mtp, "draft_vocab_size": 0})
     with pytest.raises(ConfigError, match="token-frequencies"):  # no file beside the test model's weights
         LLM(native_model, dtype="float32", speculative_config={**mtp, "draft_vocab_size": 8})
     bad = tmp_path / "bad.json"

@@ -43,10 +43,8 @@ class SpeculativeConfig:
         speculative_draft_model_quantization). Drafters that reuse the target's LM head
         (DFlash, DSpark, Medusa) keep it as the target stores it.
     draft_vocab_size: FR-Spec: learned drafters score only the N most frequent tokens (EAGLE-3:
-        the N most frequent of its own draft vocabulary); 0 = every token the drafter has; unset =
-        the method's measured default (draft_vocab.DEFAULT_DRAFT_VOCAB_SIZE: MTP 2,048) where token
-        counts are at hand, else every token. Outputs are unchanged (verification is); drafting gets
-        cheaper, acceptance may drop.
+        the N most frequent of its own draft vocabulary); unset = every token the drafter has.
+        Outputs are unchanged (verification is); drafting gets cheaper, acceptance may drop.
     draft_vocab_frequencies: the token counts ranking them (`specdecode token-frequencies`);
         unset = token_frequencies.json beside the target's weights.
     tree_topk: branching of tree drafts (1 = a chain); tree_num_nodes: nodes per tree
@@ -102,8 +100,7 @@ class SpeculativeConfig:
             except ConfigError as e:
                 raise ConfigError(f"speculative_config.draft_quantization is invalid: {e}") from None
         if self.draft_vocab_size is not None:
-            _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 0, "draft_vocab_size",
-                   "an integer >= 1, or 0 for every token")
+            _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1, "draft_vocab_size", "an integer >= 1")
             _check(getattr(PROPOSERS[self.method], "scores_vocabulary", False), "draft_vocab_size",
                    "only with a learned drafter (it restricts the drafter's LM head)")
         _check(self.draft_vocab_frequencies is None or isinstance(self.draft_vocab_frequencies, str),

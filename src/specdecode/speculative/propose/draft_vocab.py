@@ -11,8 +11,7 @@ the target picks is never drafted).
 `speculative_config.draft_vocab_size = N` keeps the N most frequent tokens (of EAGLE-3's own
 draft vocabulary, the N most frequent of those), ranked by the token counts in
 `draft_vocab_frequencies` (default: `token_frequencies.json` beside the target's weights,
-written by `specdecode token-frequencies`). Unset, a method drafts over its measured default
-(`DEFAULT_DRAFT_VOCAB_SIZE`) where those counts are at hand; 0 keeps every token.
+written by `specdecode token-frequencies`).
 """
 
 from __future__ import annotations
@@ -27,12 +26,6 @@ from specdecode.errors import ConfigError
 from specdecode.models.inference import select_output_rows
 
 FREQUENCIES_FILE = "token_frequencies.json"
-
-# draft_vocab_size where the config leaves it unset and token counts are at hand: the sizes that
-# drafted faster than the full head at T = 0 and T = 1, on HumanEval and MT-Bench, in bf16 on the
-# default model (BENCHMARKS.md, twenty-fourth pass: MTP k=4 2,048 of 8,192). EAGLE-3 drafts over its
-# own 4,096-token head, the draft model's gain at T = 1 was within the noise.
-DEFAULT_DRAFT_VOCAB_SIZE = {"mtp": 2048}
 
 
 class ReducedHead(nn.Module):
@@ -78,16 +71,13 @@ def draft_head(ctx, head: nn.Module, token_ids: torch.Tensor | None = None) -> n
     """The head a drafter drafts with, giving logits over the target's whole vocabulary.
 
     `head` scores `token_ids` (None: every token of the target's vocabulary, in order). With
-    speculative_config.draft_vocab_size (or, unset, the method's default) below its width, only the
-    rows of the most frequent tokens are kept (served as `head` is: packed, or quantised with its
-    stored values)."""
+    speculative_config.draft_vocab_size set below its width, only the rows of the most frequent
+    tokens are kept (served as `head` is: packed, or quantised with its stored values)."""
     vocab_size = ctx.target.config.vocab_size
-    path = ctx.config.draft_vocab_frequencies or ctx.target_dir / FREQUENCIES_FILE
     size = ctx.config.draft_vocab_size
-    if size is None and Path(path).is_file():
-        size = DEFAULT_DRAFT_VOCAB_SIZE.get(ctx.config.method)
     ids = token_ids if token_ids is not None else torch.arange(vocab_size, device=ctx.device)
-    if size and size < len(ids):
+    if size is not None and size < len(ids):
+        path = ctx.config.draft_vocab_frequencies or ctx.target_dir / FREQUENCIES_FILE
         if not Path(path).is_file():
             raise ConfigError(f"speculative_config.draft_vocab_size needs token counts: {str(path)!r} does not exist; "
                               "write it with `specdecode token-frequencies --model <target> --out <file>` and name it "
