@@ -217,6 +217,31 @@ def test_seeded_verification_is_reproducible():
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("filters", [dict(), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)])
+@pytest.mark.parametrize("one_hot", [False, True])
+def test_one_sampled_row_verifies_as_a_batch_does(filters, one_hot):
+    # A batch of one sampled row takes verify's host-side walk (`_one_sampled_row`); with the same
+    # seed it must commit what each row of a batch commits (seeded rows draw from their own generator,
+    # so a row's tokens do not depend on its batch), for every draft count, accepting and rejecting.
+    target_logits, p, q, _ = _setup(seed=4, **filters)
+    params = SamplingParams(**{"temperature": 1.0, **filters})
+    seen = set()
+    for seed in range(150):
+        num, g = seed % 3, torch.Generator().manual_seed(seed)
+        source = p if one_hot else q  # (a one-hot drafter's tokens from p: ones the target may take)
+        drafts = torch.stack([torch.multinomial(source[i], 1, generator=g) for i in range(2)], dim=1)  # [1, 2]
+        alone = verify(drafts, torch.tensor([num]), None if one_hot else q[None], target_logits[:1],
+                       SamplingBatch.build([params], [torch.Generator().manual_seed(seed)], "cpu"))
+        batch = SamplingBatch.build([params] * 2, [torch.Generator().manual_seed(seed) for _ in range(2)], "cpu")
+        pair = verify(drafts.expand(2, 2), torch.tensor([num, num]), None if one_hot else q.expand(2, 2, V),
+                      target_logits[:2], batch)
+        assert alone.host() == ([pair.host()[0][0]], [pair.host()[1][0]]), seed
+        assert torch.equal(alone.token_ids[0], pair.token_ids[0]) and torch.equal(alone.num_accepted, pair.num_accepted[:1])
+        seen.add((num, alone.host()[1][0]))
+    # Every walk taken ((drafts, accepted)): none drafted, the first or the second rejected, all accepted.
+    assert (0, 0) in seen and seen & {(1, 0), (2, 0)} and (2, 1) in seen and seen & {(1, 1), (2, 2)}
+
+
 @pytest.mark.parametrize("max_num_seqs", [16, 1])
 def test_sampled_speculation_keeps_the_target_distribution(native_model, native_drafter, monkeypatch, max_num_seqs):
     """End to end, 1200 seeded requests: the first token a speculative step commits follows the
