@@ -1024,10 +1024,10 @@ class DraftStep {
       }
     }
 #endif
-    float max_ = -std::numeric_limits<float>::infinity();  // NaN or infinite scores: scalar, as torch
-    for (int64_t i = 0; i < n; ++i) max_ = std::max(max_, q[i] = static_cast<float>(s[i]) / temperature);
+    float max = -std::numeric_limits<float>::infinity();  // NaN or infinite scores: scalar
+    for (int64_t i = 0; i < n; ++i) max = std::max(max, q[i] = static_cast<float>(s[i]) / temperature);
     double sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) sum += q[i] = std::exp(q[i] - max_);
+    for (int64_t i = 0; i < n; ++i) sum += q[i] = std::exp(q[i] - max);
     const float inverse = static_cast<float>(1.0 / sum);
     top = 0.0f;
     for (int64_t i = 0; i < n; ++i) top = std::max(top, q[i] *= inverse);
@@ -1068,20 +1068,20 @@ class DraftStep {
     }
 #endif
     int64_t best = 0;  // NaN or infinite scores: scalar
-    float max_ = static_cast<float>(s[0]);
-    for (int64_t i = 1; i < n && !std::isnan(max_); ++i) {
+    float max = static_cast<float>(s[0]);
+    for (int64_t i = 1; i < n && !std::isnan(max); ++i) {
       const float v = static_cast<float>(s[i]);
-      if (v > max_ || std::isnan(v)) best = i, max_ = v;
+      if (v > max || std::isnan(v)) best = i, max = v;
     }
     double sum = 0.0;
-    for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(static_cast<float>(s[i]) - max_));
+    for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(static_cast<float>(s[i]) - max));
     return {best, static_cast<double>(static_cast<float>(1.0 / sum))};
   }
 
 #if SPECDECODE_LEAN_PATH
   // 8 lanes over the vocabulary (~8x the scalar loops, whose std::exp over 8,192 scores cost ~30 us
   // a step); what they compute differs from the scalar loops' only in rounding.
-  static __m256 load_scores8(const float* p) { return _mm256_loadu_ps(p); }
+  static __m256 load_scores8(const float* p) { return attention_kernels::load8(p); }
   static __m256 load_scores8(const at::BFloat16* p) { return attention_kernels::load8(p); }
   static __m256 load_scores8(const at::Half* p) {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -1123,8 +1123,7 @@ class DraftStep {
       const int hits = _mm256_movemask_ps(_mm256_cmp_ps(load_scores8(s + i), m, _CMP_EQ_OQ));
       if (hits) return i + __builtin_ctz(hits);
     }
-    for (; i < n && static_cast<float>(s[i]) != max; ++i) {
-    }
+    while (i < n && static_cast<float>(s[i]) != max) ++i;
     return i;
   }
 
