@@ -15,6 +15,7 @@ from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int
 from specdecode.models import kernel_probe
 from specdecode.models.native_stack import NativeStack
 from specdecode.speculative import speculator
+from specdecode.speculative.policy.cost_model import CostModel
 
 pytestmark = pytest.mark.skipif(decode_stack_cpu.extension() is None, reason="the C++ step needs a C++ compiler")
 
@@ -184,6 +185,11 @@ def test_sampled_chains_draw_what_the_python_steps_draw(native_model, native_dra
         extra = {**extra, "draft_vocab_frequencies": str(tmp_path / "freq.json")}
     ticks = iter(range(10**9))  # D-Cut decides on step times: both runs read the same clock
     monkeypatch.setattr(speculator, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
+    # ... and on the target's cost profile: a fixed one, so every run takes the same path. With the
+    # profile measured at start each run took its own, and one in CI met a draw or stop that the two
+    # paths' q, equal only up to rounding, decided differently.
+    profile = CostModel({b: {n: 1e-3 * (1 + 0.1 * n) * b ** 0.5 for n in range(1, 18)} for b in (1, 2, 4, 8, 16)}, 128)
+    monkeypatch.setattr(speculator, "load_or_profile", lambda *args, **kwargs: profile)
     drafter = native_drafter if method == "draft_model" else trained_drafters[method]
     spec = {"method": method, "num_speculative_tokens": 3, "model": str(drafter), **extra}
     params = SamplingParams(temperature=0.8, seed=11, max_tokens=24, ignore_eos=True)
