@@ -14,6 +14,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.errors import ConfigError
 from specdecode.models.inference import PackedLinear, can_pack, select_output_rows
 from specdecode.models.quant import QuantizedLinear, QuantScheme
+from specdecode.speculative.propose import draft_vocab
 from specdecode.speculative.propose.draft_vocab import ReducedHead, load_frequencies, most_frequent
 from specdecode.train.token_frequencies import write_frequencies
 
@@ -120,6 +121,71 @@ def test_every_learned_family_stays_lossless_and_drafts_only_frequent_tokens(nat
     assert tokens and tokens <= keep
 
 
+def _keep(llm, frequencies, method: str, size: int) -> set[int]:
+    """The tokens a head over the `size` most frequent ones may draft (EAGLE-3: of its own draft vocabulary)."""
+    counts = load_frequencies(frequencies, 320)
+    if method == "eagle3":
+        d2t = llm.speculator.proposer.drafter.draft_to_target
+        return set(d2t[most_frequent(counts, d2t, size)].tolist())
+    return set(torch.sort(-counts, stable=True).indices[:size].tolist())
+
+
+def _generate_recording(llm, params) -> tuple[list[list[int]], set[int], list[torch.Tensor]]:
+    """Outputs, the set of drafted tokens and every proposal's drafts."""
+    drafted = _record_drafts(llm)
+    outputs = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    return outputs, set(torch.cat(drafted).tolist()), drafted
+
+
+@cases
+def test_greedy_proposals_draft_over_their_own_reduced_vocabulary(native_model, spec_config, frequencies):
+    # greedy_draft_vocab_size: an all-greedy proposal scores KEEP tokens, a sampled one every token,
+    # drafting (and so generating) exactly what a run without FR-Spec does.
+    if spec_config["method"] == "ngram":
+        pytest.skip("n-gram drafts copy the context: it has no LM head to reduce")
+    counted = {**spec_config, "draft_vocab_frequencies": str(frequencies)}
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4,
+              speculative_config={**counted, "greedy_draft_vocab_size": KEEP})
+    outputs, tokens, _ = _generate_recording(llm, GREEDY)
+    assert outputs == generate_ids(native_model, PROMPTS, GREEDY)
+    assert tokens and tokens <= _keep(llm, frequencies, spec_config["method"], KEEP)
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True)
+    full = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config={**counted, "greedy_draft_vocab_size": 0})
+    ours, theirs = _generate_recording(llm, sampled), _generate_recording(full, sampled)
+    assert ours[0] == theirs[0]
+    assert len(ours[2]) == len(theirs[2]) and all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2]))
+
+
+def _head_widths(llm) -> list[tuple[int, int]]:
+    """(sampled, greedy): the number of tokens each of the EAGLE-family proposer's heads scores."""
+    x = torch.zeros(1, llm.speculator.proposer.target.config.hidden_size)
+    return [(int(torch.isfinite(heads.sampled(x)).sum()), int(torch.isfinite(heads.greedy(x)).sum()))
+            for heads in llm.speculator.proposer.draft_heads.values()]
+
+
+def test_greedy_proposals_draft_over_the_methods_default_where_token_counts_are_at_hand(
+        native_model, trained_drafters, frequencies, monkeypatch):
+    monkeypatch.setattr(draft_vocab, "DEFAULT_GREEDY_DRAFT_VOCAB_SIZE", {"mtp": KEEP})  # 2,048 of the default model's 8,192
+    mtp = {"method": "mtp", "model": str(trained_drafters["mtp"]), "num_speculative_tokens": 3}
+    counted = {**mtp, "draft_vocab_frequencies": str(frequencies)}
+
+    def widths(**keys):
+        return _head_widths(LLM(native_model, dtype="float32", speculative_config={**counted, **keys}))
+
+    assert widths() == [(320, KEEP)]
+    assert widths(greedy_draft_vocab_size=0) == [(320, 320)]
+    assert widths(greedy_draft_vocab_size=64) == [(320, 64)]
+    assert widths(draft_vocab_size=64) == [(64, 64)]  # both, unless greedy_draft_vocab_size says otherwise
+    assert widths(draft_vocab_size=64, greedy_draft_vocab_size=0) == [(64, 320)]
+    # No counts at hand (none beside the test model): every token.
+    assert _head_widths(LLM(native_model, dtype="float32", speculative_config=mtp)) == [(320, 320)]
+    # A method without a default keeps its own head (EAGLE-3: its draft vocabulary).
+    eagle3 = {"method": "eagle3", "model": str(trained_drafters["eagle3"]), "draft_vocab_frequencies": str(frequencies)}
+    llm = LLM(native_model, dtype="float32", speculative_config=eagle3)
+    width = len(llm.speculator.proposer.drafter.draft_to_target)
+    assert _head_widths(llm) == [(width, width)]
+
+
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 def test_a_reduced_vocabulary_with_quantised_weights_is_lossless(native_model, trained_drafters, frequencies,
                                                                   quantization):
@@ -143,10 +209,16 @@ def test_bad_reduced_vocabulary_configurations_are_refused(native_model, trained
     mtp = {"method": "mtp", "model": str(trained_drafters["mtp"])}
     with pytest.raises(ConfigError, match="draft_vocab_size.*learned drafter"):
         LLM(native_model, dtype="float32", speculative_config={"method": "ngram", "draft_vocab_size": 8})
+    with pytest.raises(ConfigError, match="greedy_draft_vocab_size.*learned drafter"):
+        LLM(native_model, dtype="float32", speculative_config={"method": "ngram", "greedy_draft_vocab_size": 8})
     with pytest.raises(ConfigError, match="draft_vocab_size is invalid"):
         LLM(native_model, dtype="float32", speculative_config={**mtp, "draft_vocab_size": 0})
+    with pytest.raises(ConfigError, match="greedy_draft_vocab_size is invalid"):
+        LLM(native_model, dtype="float32", speculative_config={**mtp, "greedy_draft_vocab_size": -1})
     with pytest.raises(ConfigError, match="token-frequencies"):  # no file beside the test model's weights
         LLM(native_model, dtype="float32", speculative_config={**mtp, "draft_vocab_size": 8})
+    with pytest.raises(ConfigError, match="greedy_draft_vocab_size needs token counts"):
+        LLM(native_model, dtype="float32", speculative_config={**mtp, "greedy_draft_vocab_size": 8})
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(ConfigError, match="not a token-frequencies file"):

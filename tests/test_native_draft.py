@@ -116,7 +116,7 @@ def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters,
     llm = LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ours = _drafting(llm, [PROMPT], params)
-    layers = llm.speculator.proposer._native[1]._layers()
+    layers = llm.speculator.proposer._native[True][1]._layers()  # the greedy proposals' step
     assert native_steps and layers.lean_forwards() >= len(native_steps) - 1  # the first feeds the whole prompt
     count = len(native_steps)
     llm_python = _python_steps(LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec))
@@ -150,22 +150,32 @@ def test_chains_stopped_by_p_min_or_dcut_draft_what_the_python_steps_draft(nativ
     assert len(native_steps) == count
 
 
+@pytest.mark.parametrize("key", ["draft_vocab_size", "greedy_draft_vocab_size"])
 @pytest.mark.parametrize("method", ["mtp", "draft_model"])
 def test_a_frequency_ranked_draft_vocabulary_is_served_too(native_model, native_drafter, trained_drafters, native_steps,
-                                                           tmp_path, method):
-    # FR-Spec: the head cut to its 100 most frequent tokens (a ReducedHead, ids ascending).
+                                                           tmp_path, method, key):
+    # FR-Spec: the head cut to its 100 most frequent tokens (a ReducedHead, ids ascending), for every
+    # proposal or (greedy_draft_vocab_size) for greedy ones only: one LLM serves greedy, sampled and
+    # greedy requests again, each proposal through the C++ step of its own head.
     vocab = json.loads((native_model / "config.json").read_text())["vocab_size"]
     counts = torch.randint(1, 1000, (vocab,), generator=torch.Generator().manual_seed(0)).tolist()
     (tmp_path / "freq.json").write_text(json.dumps({"counts": counts}))
     drafter = native_drafter if method == "draft_model" else trained_drafters[method]
     spec = {"method": method, "num_speculative_tokens": 3, "model": str(drafter),
-            "draft_vocab_size": 100, "draft_vocab_frequencies": str(tmp_path / "freq.json")}
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    ours = _drafting(LLM(native_model, dtype="float32", speculative_config=spec), [PROMPT], params)
+            key: 100, "draft_vocab_frequencies": str(tmp_path / "freq.json")}
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    llm = LLM(native_model, dtype="float32", speculative_config=spec)
+    ours = [_drafting(llm, [PROMPT], params) for params in (greedy, sampled, greedy)]
     assert native_steps
+    keep = set(torch.sort(-torch.tensor(counts), stable=True).indices[:100].tolist())
+    drafted = [{t for tokens, _ in drafting[1] for t in tokens.flatten().tolist() if t >= 0} for drafting in ours]
+    assert drafted[0] <= keep and drafted[2] <= keep
+    assert (drafted[1] <= keep) == (key == "draft_vocab_size")  # greedy_draft_vocab_size: a sampled draft scores all
     count = len(native_steps)
     llm_python = _python_steps(LLM(native_model, dtype="float32", speculative_config=spec))
-    _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
+    for drafting, params in zip(ours, (greedy, sampled, greedy)):
+        _assert_same_drafting(drafting, _drafting(llm_python, [PROMPT], params))
     assert len(native_steps) == count
 
 

@@ -45,6 +45,10 @@ class SpeculativeConfig:
     draft_vocab_size: FR-Spec: learned drafters score only the N most frequent tokens (EAGLE-3:
         the N most frequent of its own draft vocabulary); unset = every token the drafter has.
         Outputs are unchanged (verification is); drafting gets cheaper, acceptance may drop.
+    greedy_draft_vocab_size: the same for all-greedy proposals only (verified by token equality,
+        where FR-Spec measured no acceptance lost); 0 = every token; unset = draft_vocab_size if
+        set, else the method's measured default where token counts are at hand
+        (draft_vocab.DEFAULT_GREEDY_DRAFT_VOCAB_SIZE: MTP and the draft model 2,048).
     draft_vocab_frequencies: the token counts ranking them (`specdecode token-frequencies`);
         unset = token_frequencies.json beside the target's weights.
     tree_topk: branching of tree drafts (1 = a chain); tree_num_nodes: nodes per tree
@@ -67,6 +71,7 @@ class SpeculativeConfig:
     dspark_block_size: int | None = None
     draft_quantization: str | None = None
     draft_vocab_size: int | None = None
+    greedy_draft_vocab_size: int | None = None
     draft_vocab_frequencies: str | None = None
 
     def __post_init__(self) -> None:
@@ -102,6 +107,11 @@ class SpeculativeConfig:
         if self.draft_vocab_size is not None:
             _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1, "draft_vocab_size", "an integer >= 1")
             _check(getattr(PROPOSERS[self.method], "scores_vocabulary", False), "draft_vocab_size",
+                   "only with a learned drafter (it restricts the drafter's LM head)")
+        if self.greedy_draft_vocab_size is not None:
+            _check(_is_int(self.greedy_draft_vocab_size) and self.greedy_draft_vocab_size >= 0,
+                   "greedy_draft_vocab_size", "an integer >= 1, or 0 for every token")
+            _check(getattr(PROPOSERS[self.method], "scores_vocabulary", False), "greedy_draft_vocab_size",
                    "only with a learned drafter (it restricts the drafter's LM head)")
         _check(self.draft_vocab_frequencies is None or isinstance(self.draft_vocab_frequencies, str),
                "draft_vocab_frequencies", "a file path")

@@ -12,10 +12,18 @@ the target picks is never drafted).
 draft vocabulary, the N most frequent of those), ranked by the token counts in
 `draft_vocab_frequencies` (default: `token_frequencies.json` beside the target's weights,
 written by `specdecode token-frequencies`).
+
+Greedy and sampled proposals draft with separate heads (`DraftHeads`): an all-greedy proposal is
+verified by token equality, and the target's argmax is almost always a frequent token, so FR-Spec
+cost it no acceptance in any measurement here; a sampled one draws from q, and dropping the rare
+tokens' mass lowered acceptance more than the cheaper head gained. `greedy_draft_vocab_size`
+sizes the greedy head (unset: draft_vocab_size, else the method's measured default,
+`DEFAULT_GREEDY_DRAFT_VOCAB_SIZE`, where token counts are at hand).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,6 +34,13 @@ from specdecode.errors import ConfigError
 from specdecode.models.inference import select_output_rows
 
 FREQUENCIES_FILE = "token_frequencies.json"
+
+# greedy_draft_vocab_size where the config leaves it and draft_vocab_size unset and token counts are
+# at hand: the sizes measured faster than the full head at T = 0 on HumanEval and MT-Bench at equal
+# acceptance (bf16, default model, BENCHMARKS.md twenty-second to twenty-fifth passes: MTP and the
+# draft model, 2,048 of 8,192 tokens). EAGLE-3 drafts over its own 4,096-token head, where 2,048
+# gained within the noise; Medusa, DFlash and DSpark were not measured.
+DEFAULT_GREEDY_DRAFT_VOCAB_SIZE = {"mtp": 2048, "draft_model": 2048}
 
 
 class ReducedHead(nn.Module):
@@ -67,19 +82,46 @@ def most_frequent(counts: torch.Tensor, token_ids: torch.Tensor, size: int) -> t
     return order[:size].sort().values
 
 
-def draft_head(ctx, head: nn.Module, token_ids: torch.Tensor | None = None) -> nn.Module:
-    """The head a drafter drafts with, giving logits over the target's whole vocabulary.
+@dataclasses.dataclass(frozen=True)
+class DraftHeads:
+    """The heads a drafter scores with (the same module where both sizes agree)."""
 
-    `head` scores `token_ids` (None: every token of the target's vocabulary, in order). With
-    speculative_config.draft_vocab_size set below its width, only the rows of the most frequent
-    tokens are kept (served as `head` is: packed, or quantised with its stored values)."""
+    sampled: nn.Module  # proposals that draw or adjust tokens (speculative_config.draft_vocab_size)
+    greedy: nn.Module  # all-greedy, unadjusted proposals (greedy_draft_vocab_size)
+
+    def pick(self, greedy: bool) -> nn.Module:
+        """The head for a proposal, `greedy` where it is all-greedy and unadjusted (`ChainDraft.one_hot`)."""
+        return self.greedy if greedy else self.sampled
+
+
+def draft_heads(ctx, head: nn.Module, token_ids: torch.Tensor | None = None) -> DraftHeads:
+    """The heads a drafter drafts with, each giving logits over the target's whole vocabulary.
+
+    `head` scores `token_ids` (None: every token of the target's vocabulary, in order). A size below
+    its width keeps only the rows of the most frequent tokens (served as `head` is: packed, or
+    quantised with its stored values)."""
+    path = Path(ctx.config.draft_vocab_frequencies or ctx.target_dir / FREQUENCIES_FILE)
+    sampled_size = ctx.config.draft_vocab_size
+    greedy_size = ctx.config.greedy_draft_vocab_size
+    if greedy_size is None:
+        greedy_size = sampled_size
+        if greedy_size is None and path.is_file():
+            greedy_size = DEFAULT_GREEDY_DRAFT_VOCAB_SIZE.get(ctx.config.method)
+    ids = token_ids if token_ids is not None else torch.arange(ctx.target.config.vocab_size, device=ctx.device)
+    kept = [size if size and size < len(ids) else None for size in (sampled_size, greedy_size)]
+    sampled = _draft_head(ctx, head, token_ids, ids, kept[0], path, "draft_vocab_size")
+    if kept[1] == kept[0]:
+        return DraftHeads(sampled, sampled)
+    return DraftHeads(sampled, _draft_head(ctx, head, token_ids, ids, kept[1], path, "greedy_draft_vocab_size"))
+
+
+def _draft_head(ctx, head: nn.Module, token_ids: torch.Tensor | None, ids: torch.Tensor, size: int | None,
+                path: Path, key: str) -> nn.Module:
+    """`head` over its `size` most frequent tokens of `ids` (None: all of them); `key` sized it."""
     vocab_size = ctx.target.config.vocab_size
-    size = ctx.config.draft_vocab_size
-    ids = token_ids if token_ids is not None else torch.arange(vocab_size, device=ctx.device)
-    if size is not None and size < len(ids):
-        path = ctx.config.draft_vocab_frequencies or ctx.target_dir / FREQUENCIES_FILE
-        if not Path(path).is_file():
-            raise ConfigError(f"speculative_config.draft_vocab_size needs token counts: {str(path)!r} does not exist; "
+    if size is not None:
+        if not path.is_file():
+            raise ConfigError(f"speculative_config.{key} needs token counts: {str(path)!r} does not exist; "
                               "write it with `specdecode token-frequencies --model <target> --out <file>` and name it "
                               "in draft_vocab_frequencies")
         keep = most_frequent(load_frequencies(path, vocab_size).to(ids.device), ids, size)

@@ -14,7 +14,7 @@ from specdecode.models.inference import prepare_for_inference
 from specdecode.models.llama import KVCache, row_linear
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
-from specdecode.speculative.propose.draft_vocab import draft_head
+from specdecode.speculative.propose.draft_vocab import draft_heads
 from specdecode.speculative.propose.drafters.dflash.model import DFlashDrafter, load_dflash
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
@@ -47,7 +47,7 @@ class DFlashProposer(TargetFeatureBuffer):
         check_fits_target(ctx, path, hidden_size=cfg.layers.hidden_size, vocab_size=cfg.layers.vocab_size,
                           taps={"target_layer_ids": cfg.target_layer_ids}, token_ids={"mask_token_id": [cfg.mask_token_id]})
         self.target = ctx.target
-        self.draft_head = draft_head(ctx, ctx.target.lm_head)  # the target's LM head (FR-Spec: its frequent rows)
+        self.draft_heads = draft_heads(ctx, ctx.target.lm_head)  # the target's LM head (FR-Spec: its frequent rows)
         self.grouping = ctx.grouping
         self.vocab_size = ctx.target.config.vocab_size
         self.hidden_taps = cfg.target_layer_ids
@@ -102,7 +102,8 @@ class DFlashProposer(TargetFeatureBuffer):
         if not active:
             return chain.result()
         hidden = self.block_pass(seqs, active)  # [A, block, d]
-        base = row_linear(self.draft_head, hidden[:, 1:]).float()  # [A, block-1, V]: tokens N .. N+B-2
+        head = self.draft_heads.pick(ChainDraft.one_hot(sampling))
+        base = row_linear(head, hidden[:, 1:]).float()  # [A, block-1, V]: tokens N .. N+B-2
         if self.tree is not None:
             tokens = torch.zeros(B, len(self.tree.paths), dtype=torch.long, device=self.device)
             tokens[torch.tensor(active, device=self.device)] = self.tree.tokens(base)

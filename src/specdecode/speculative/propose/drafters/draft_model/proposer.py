@@ -21,7 +21,7 @@ from specdecode.models.loader import load_model
 from specdecode.models.native_stack import current_or_rebuilt
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
-from specdecode.speculative.propose.draft_vocab import draft_head
+from specdecode.speculative.propose.draft_vocab import draft_heads
 from specdecode.speculative.propose.native_step import NativeDraftStep, native_temperature
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
@@ -49,7 +49,9 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         quantization = drafter_quantization(ctx, path)
         self.model = load_model(path, ctx.dtype, ctx.device, quantization)
         check_fits_target(ctx, path, vocab_size=self.model.config.vocab_size)  # a separate model: any width
-        self.model.lm_head = draft_head(ctx, self.model.lm_head)  # FR-Spec: only its frequent rows
+        # FR-Spec: only its frequent rows. The model's lm_head is set to the proposal's head by `propose`.
+        self.draft_heads = draft_heads(ctx, self.model.lm_head)
+        self.model.lm_head = self.draft_heads.sampled
         if self.model.config.max_position_embeddings < ctx.max_len:
             raise ConfigError(f"speculative_config.model: the drafter's context ({self.model.config.max_position_embeddings}) "
                               f"is shorter than the target's max_model_len ({ctx.max_len})")
@@ -57,12 +59,17 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
                              compile=ctx.compile)
         self.p_min = ctx.config.draft_p_min
         self.compiled = ctx.compile
-        self._native = None  # (what the C++ drafting step was built from, the step or None): native_step.py
+        # Greedy proposal or not -> (what its C++ drafting step was built from, the step or None): native_step.py
+        self._native: dict[bool, tuple] = {}
         self.native_drafting = True  # False: always the Python step (A/B measurements)
 
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         k = max(max_tokens)
         chain = ChainDraft(max_tokens, self.model.config.vocab_size, self.device, self.p_min, stop)
+        greedy = ChainDraft.one_hot(sampling)
+        head = self.draft_heads.pick(greedy)
+        if self.model.lm_head is not head:  # the runner's forwards and the C++ step score with the model's
+            self.model.lm_head = head
         active = [b for b in range(len(seqs)) if max_tokens[b] > 0]
         # First forward: catch up on committed tokens the drafter has not seen.
         entries = {}
@@ -70,7 +77,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
             seq, state = seqs[b], self.state(seqs[b])
             state.proposal_base, state.num_fed = seq.num_tokens, 0
             entries[b] = ForwardEntry(seq.slot, seq.token_ids[state.num_cached:], start=state.num_cached)
-        if self._draft_natively(seqs, active, entries, chain, max_tokens, sampling):
+        if self._draft_natively(seqs, active, entries, chain, max_tokens, sampling, greedy):
             return chain.result()
         for step in range(k):
             if not active:
@@ -87,13 +94,14 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
 
     @torch.inference_mode()
     def _draft_natively(self, seqs, active: list[int], entries: dict[int, ForwardEntry], chain: ChainDraft,
-                        max_tokens: list[int], sampling: SamplingBatch) -> bool:
-        """One sequence: draft its chain in C++ (native_step.py), where served."""
+                        max_tokens: list[int], sampling: SamplingBatch, greedy: bool) -> bool:
+        """One sequence: draft its chain in C++ (native_step.py), where served (a step per head)."""
         temperature = native_temperature(active, sampling, chain, self.device, self.compiled, self.native_drafting)
         if temperature is None:
             return False
-        self._native = current_or_rebuilt(self._native, lambda watch: NativeDraftStep.for_draft_model(self.model, watch))
-        native, (b,) = self._native[1], active
+        self._native[greedy] = current_or_rebuilt(self._native.get(greedy),
+                                                  lambda watch: NativeDraftStep.for_draft_model(self.model, watch))
+        native, (b,) = self._native[greedy][1], active
         layers = native.layers_serving() if native is not None and entries[b].token_ids else None
         if layers is None:
             return False

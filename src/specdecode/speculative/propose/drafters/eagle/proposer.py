@@ -18,7 +18,7 @@ from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.drafters.eagle.checkpoint import load_drafter
 from specdecode.speculative.propose.drafters.eagle.model import BuiltinMtpDrafter
-from specdecode.speculative.propose.draft_vocab import draft_head
+from specdecode.speculative.propose.draft_vocab import draft_heads
 from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
 from specdecode.speculative.propose.native_step import NativeDraftStep, native_temperature
@@ -56,10 +56,12 @@ class EagleProposer(TargetFeatureBuffer):
         self.drafter_forward = CompiledForward(self.drafter.forward, ctx.compile, self.variant)
         # The heads drafting scores with, by the drafter's head they stand for (FR-Spec: fewer rows).
         d2t = self.drafter.draft_to_target
-        self.draft_heads = {id(head): draft_head(ctx, head, d2t) for head in self.drafter.heads(ctx.target)}
+        self.draft_heads = {id(head): draft_heads(ctx, head, d2t) for head in self.drafter.heads(ctx.target)}
+        self.greedy_proposal = False  # the proposal being drafted scores with the greedy heads
         self.draft_step = 0  # the drafting step being computed (built-in MTP picks its layer by it)
         self.compiled = ctx.compile
-        self._native = None  # (what the C++ drafting step was built from, the step or None): native_step.py
+        # Greedy proposal or not -> (what its C++ drafting step was built from, the step or None): native_step.py
+        self._native: dict[bool, tuple] = {}
         self.native_drafting = True  # False: always the Python step (A/B measurements)
 
     def load_drafter(self, ctx: ProposerContext):
@@ -124,7 +126,7 @@ class EagleProposer(TargetFeatureBuffer):
 
     def vocab_logits(self, out: torch.Tensor) -> torch.Tensor:
         """o [.., d] -> float32 logits over the target vocabulary (-inf outside the draft vocabulary)."""
-        head = self.draft_heads[id(self.drafter.head(self.target))]
+        head = self.draft_heads[id(self.drafter.head(self.target))].pick(self.greedy_proposal)
         return row_linear(head, self.drafter.head_input(out, self.target)).float()
 
     # ---- EAGLE-2 trees (`propose_dynamic_tree` calls these) --------------------------------------
@@ -139,11 +141,14 @@ class EagleProposer(TargetFeatureBuffer):
         return self._forward(entries, features)[:, : features[0].shape[0]]  # [A, K, d]
 
     def _native_step(self) -> NativeDraftStep | None:
-        """The drafter's greedy step as one C++ call (None: not served), rebuilt when its modules changed."""
-        self._native = current_or_rebuilt(
-            self._native, lambda watch: NativeDraftStep.for_feature_drafter(self.drafter, self.target, self.draft_heads,
-                                                                            watch))
-        return self._native[1]
+        """The drafter's step over this proposal's heads as one C++ call (None: not served), rebuilt
+        when its modules changed."""
+        greedy = self.greedy_proposal
+        served = {key: heads.pick(greedy) for key, heads in self.draft_heads.items()}
+        self._native[greedy] = current_or_rebuilt(
+            self._native.get(greedy),
+            lambda watch: NativeDraftStep.for_feature_drafter(self.drafter, self.target, served, watch))
+        return self._native[greedy][1]
 
     def _draft_natively(self, seqs, active: list[int], first, chain: ChainDraft, max_tokens: list[int],
                         sampling: SamplingBatch) -> bool:
@@ -163,6 +168,7 @@ class EagleProposer(TargetFeatureBuffer):
 
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
+        self.greedy_proposal = ChainDraft.one_hot(sampling)
         if self.topk > 1:
             return propose_dynamic_tree(self, seqs, max_tokens, self.topk, self.depth, self.num_nodes, self.device)
         B, k = len(seqs), max(max_tokens)

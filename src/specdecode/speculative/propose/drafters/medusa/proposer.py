@@ -21,7 +21,8 @@ from specdecode.defaults import DEFAULT_MODEL_NAME
 from specdecode.errors import ConfigError
 from specdecode.models.inference import prepare_for_inference
 from specdecode.models.llama import row_linear
-from specdecode.speculative.propose.draft_vocab import draft_head
+from specdecode.speculative.propose.chain import ChainDraft
+from specdecode.speculative.propose.draft_vocab import draft_heads
 from specdecode.speculative.propose.drafters.medusa.model import load_heads
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
@@ -53,7 +54,7 @@ class MedusaProposer(ProposerBase[MedusaState]):
         # The heads share the target's LM head: its vocabulary, so only the token map is checked.
         check_fits_target(ctx, path, hidden_size=self.heads.blocks[0].in_features)
         self.target = ctx.target
-        self.draft_head = draft_head(ctx, ctx.target.lm_head)  # the target's LM head (FR-Spec: its frequent rows)
+        self.draft_heads = draft_heads(ctx, ctx.target.lm_head)  # the target's LM head (FR-Spec: its frequent rows)
         self.tree = StaticTree(depth, ctx.config.tree_topk, ctx.config.tree_num_nodes, ctx.device)
         self.is_chain = ctx.config.tree_topk == 1
         self.max_tree_depth = 0 if self.is_chain else self.tree.max_depth
@@ -73,7 +74,8 @@ class MedusaProposer(ProposerBase[MedusaState]):
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling, stop=None) -> Draft:
         hidden = torch.stack([self.state(s).hidden for s in seqs])  # [B, d]
-        logits = row_linear(self.draft_head, self.heads(hidden)).float()  # [B, K, V]
+        head = self.draft_heads.pick(ChainDraft.one_hot(sampling))
+        logits = row_linear(head, self.heads(hidden)).float()  # [B, K, V]
         tokens = self.tree.tokens(logits)  # [B, nodes]; a chain: every head's top token
         if not self.is_chain:
             return self.tree.draft(tokens, [m > 0 for m in max_tokens])
