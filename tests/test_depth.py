@@ -234,6 +234,39 @@ def test_dcut_keeps_prefixes_and_first_positions():
     assert dcut_lengths(conf, [4, 0, 2], LINEAR, 0.0)[1] == 0
 
 
+def test_a_catch_up_is_priced_as_a_fixed_part_plus_a_part_per_token():
+    """A catch-up runs as a forward of its own: short ones cost mostly that (traced, MTP W4A8 batch 1:
+    1-20 tokens at 0.1-0.97 steps a token, prompts of 89-129 at 0.03-0.05). Fitted as fixed + per
+    token, a prompt's catch-up is priced at what it costs, where one average per token priced it
+    4-6x dearer and auto-k stopped drafting for the rest of the run."""
+    from specdecode.speculative.policy.estimators import CatchUpCost
+
+    catch_up = CatchUpCost()
+    assert catch_up.price(10) is None
+    for n in (115, 1, 9, 20, 14, 125, 1, 89, 2, 115, 3, 125, 89, 121, 4, 129):  # the traced lengths
+        catch_up.observe(n, 0.5 + 0.04 * n)
+    assert catch_up.fixed == pytest.approx(0.5, abs=0.01) and catch_up.per_token == pytest.approx(0.04, abs=1e-3)
+    assert catch_up.price(129) == pytest.approx(0.5 + 0.04 * 129, rel=0.01)
+    same_length = CatchUpCost()  # lengths too alike to separate the parts: the average per token
+    for _ in range(3):
+        same_length.observe(100, 4.0)
+    assert same_length.fixed == 0.0 and same_length.price(50) == pytest.approx(2.0)
+
+
+def test_dcut_prices_a_forward_at_most_any_wider_ones():
+    """A live cost can measure a width above the next one (traced at W4A8, batch 1: width 3 ran
+    mostly after shallow plans and switches from plain decoding). D-Cut prices each forward at most
+    a wider one's, so that bump does not stop it short of a deeper draft that pays."""
+    bumped = CostModel({1: {1: 0.30, 2: 0.35, 3: 0.60, 4: 0.46}}, 128)  # width 3 above width 4
+    conf = [[0.9, 0.9, 0.9]]
+    assert dcut_lengths(conf, [3], bumped, 0.2) == [3]
+    rising = CostModel({1: {1: 0.30, 2: 0.35, 3: 0.60, 4: 0.90}}, 128)  # where wider really costs more: cut
+    assert dcut_lengths(conf, [3], rising, 0.2) == [1]
+    # Batches: a forward of N tokens is priced at most the whole batch at ceil(N / B) tokens each.
+    batch = CostModel({2: {1: 0.30, 2: 0.35, 3: 0.60, 4: 0.46}}, 128)
+    assert dcut_lengths([[0.9, 0.9, 0.9]] * 2, [3, 3], batch, 0.2) == [3, 3]
+
+
 def test_acceptance_per_position_is_learned_only_from_drafts_the_stop_rule_did_not_shape():
     """Where D-Cut's stop rule decided how deep each row drafted, a row reached position i because
     its earlier confidences were high: its acceptance there is a selected sample, and the rule's

@@ -317,7 +317,7 @@ class DepthController:
     def catch_up_time(self, pending: list[int]) -> float:
         """Expected seconds the drafter spends, before its first draft, on committed tokens it
         has not seen beyond a step's worth (the prompt the first time, or every token decoded
-        while drafting was off): measured per token (`CatchUpCost`), else the drafter's share of
+        while drafting was off): as catch-ups measured (`CatchUpCost`), else the drafter's share of
         the target's forward over them."""
         return self._catch_up_seconds(self.catch_up_tokens(pending), len(pending))
 
@@ -325,8 +325,9 @@ class DepthController:
         """`catch_up_time` of `extra` tokens beyond a step's worth over B sequences."""
         if extra == 0:
             return 0.0
-        if self.catch_up_cost.per_token is not None:
-            return self.catch_up_cost.per_token * extra * self.cost.step_time(1, 1)
+        measured = self.catch_up_cost.price(extra)
+        if measured is not None:
+            return measured * self.cost.step_time(1, 1)
         return self.draft_cost.per_step * max(0.0, self.cost.step_time(B, B + extra) - self.cost.step_time(B, B))
 
     def draft_step_time(self, batch_size: int) -> float:

@@ -69,25 +69,45 @@ class DraftCost:
 
 
 class CatchUpCost:
-    """What the drafter's catch-up costs per committed token it consumes beyond a step's worth (a
-    prompt the first time, every token decoded while drafting was off), in units of the target's
-    one-token step at batch 1: measured on proposals that caught up, as their drafting time beyond
-    what `DraftCost` prices a proposal of their depth. Until one is measured, `DepthController`
-    prices a catch-up as the drafter's decode-step share of the target's forward over those tokens,
-    which read 4-6x too dear (traced, EAGLE-3 at batch 1: 6.2 plain steps for a prompt's catch-up),
-    and the guard, which waits until a drafting probe's catch-up is 3% of the steps since the
-    last one, then waited as long as the request lasted."""
+    """What the drafter's catch-up costs beyond a step's worth of committed tokens (a prompt the first
+    time, every token decoded while drafting was off), in units of the target's one-token step at
+    batch 1: a fixed part per catch-up plus a part per token, fitted by EMA least squares over
+    proposals that caught up (their drafting time beyond what `DraftCost` prices a proposal of their
+    depth). Until one is measured, `DepthController` prices a catch-up as the drafter's decode-step
+    share of the target's forward over those tokens, which read 4-6x too dear (traced, EAGLE-3 at
+    batch 1: 6.2 plain steps for a prompt's catch-up), and the guard, which waits until a drafting
+    probe's catch-up is 3% of the steps since the last one, then waited as long as the request lasted.
+
+    Why two parts: a catch-up runs as a forward of its own (`LengthGrouping`), ~0.5 steps whatever its
+    length (traced, MTP k=3 W4A8 batch 1: 1-20 tokens cost 0.1-0.97 a token, 89-129-token prompts
+    0.03-0.05). One average per token, dominated by the short ones, priced a prompt's catch-up at
+    0.16-0.27 a token, 4-6x its cost: auto-k then declined to draft at a request's start, every
+    step declined made the catch-up dearer, and drafting stayed off for the rest of the run
+    (D-Cut at 0.89x plain decoding where fixed k ran at 1.04x)."""
 
     def __init__(self, weight: float = 0.2):
-        self.per_token: float | None = None
+        self.fixed, self.per_token = 0.0, None
         self.weight = weight
+        self.moments: list[float] | None = None  # EMA of [n, y, n*n, n*y]
+
+    def price(self, tokens: int) -> float | None:
+        """Units a catch-up over `tokens` costs (None: none measured yet)."""
+        return None if self.per_token is None else self.fixed + self.per_token * tokens
 
     def observe(self, tokens: int, excess: float) -> None:
         """A catch-up over `tokens` took `excess` units beyond the proposal's own drafting."""
         if tokens <= 0:
             return
-        sample = max(0.0, excess) / tokens
-        self.per_token = sample if self.per_token is None else (1 - self.weight) * self.per_token + self.weight * sample
+        excess = max(0.0, excess)
+        sample = [tokens, excess, tokens * tokens, tokens * excess]
+        m = self.moments = sample if self.moments is None else [
+            (1 - self.weight) * a + self.weight * b for a, b in zip(self.moments, sample)]
+        variance = m[2] - m[0] * m[0]
+        slope = (m[3] - m[0] * m[1]) / variance if variance > 1.0 else -1.0
+        if slope < 0 or slope * m[0] > m[1]:  # catch-ups too alike in length to separate the parts
+            self.per_token, self.fixed = m[1] / m[0], 0.0
+        else:
+            self.per_token, self.fixed = slope, m[1] - slope * m[0]
 
 
 class AcceptanceEstimator:
