@@ -52,13 +52,12 @@ def dcut_lengths(confidence: list[list[float]], num_tokens: list[int], cost, dra
     look at later pairs and is not exact under sampling (DSpark shows a shifted
     distribution); under greedy decoding any pruning is exact.
 
-    Forwards are priced non-decreasing in their width (a forward of w tokens a sequence at most
-    any wider one's price): the live cost measures a width from the steps that ran it, and a width run mostly
-    in slow circumstances (traced, MTP k=3 W4A8 batch 1: width 3, verified after a shallow plan
-    or a switch from plain decoding, 1.16-1.22x its profile against width 4's 0.99-1.03x) priced
-    above the next one stopped the admission before it: a third of the 3-token drafts were cut
-    to 1, and D-Cut ran at 0.89x plain decoding where fixed k ran at 1.04x. The prices depend on
-    no draft, so the rule stays lossless.
+    Forwards are priced non-decreasing in their width (w tokens a sequence at most any wider
+    forward's price): the live cost measures a width from the steps that ran it, and a width run
+    mostly in slow circumstances (traced, MTP k=3 W4A8 batch 1: width 3, verified after a shallow
+    plan or a switch from plain decoding, 1.16-1.22x its profile against width 4's 0.99-1.03x)
+    priced above the next one stopped the admission before it: a third of the 3-token drafts were
+    cut to 1. The prices depend on no draft, so the rule stays lossless.
     """
     B = len(num_tokens)
     kept = [min(1, n) for n in num_tokens]
@@ -72,7 +71,7 @@ def dcut_lengths(confidence: list[list[float]], num_tokens: list[int], cost, dra
                 tau += a
             else:
                 survival.append((a, q, i))
-    # The forward of w tokens per sequence, priced at most any wider one's: [w - 1], w = 1 .. the deepest draft's + 1.
+    # [w - 1]: the forward of w tokens a sequence, at most any wider one's price (w up to the deepest draft + 1).
     whole = [cost.step_time(B, B * w) for w in range(1, 2 + max(num_tokens, default=0))]
     for w in range(len(whole) - 2, -1, -1):
         whole[w] = min(whole[w], whole[w + 1])
