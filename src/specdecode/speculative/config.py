@@ -46,7 +46,7 @@ class SpeculativeConfig:
         the N most frequent of its own draft vocabulary); unset = every token the drafter has.
         Outputs are unchanged (verification is); drafting gets cheaper, acceptance may drop.
     greedy_draft_vocab_size: the same for all-greedy proposals only (verified by token equality,
-        where FR-Spec measured no acceptance lost); 0 = every token; unset = draft_vocab_size if
+        where FR-Spec measured no acceptance lost for MTP and the draft model); 0 = every token; unset = draft_vocab_size if
         set, else the method's measured default where token counts are at hand
         (draft_vocab.DEFAULT_GREEDY_DRAFT_VOCAB_SIZE: MTP and the draft model 2,048).
     draft_vocab_frequencies: the token counts ranking them (`specdecode token-frequencies`);
@@ -104,15 +104,13 @@ class SpeculativeConfig:
                 QuantScheme.parse(self.draft_quantization)
             except ConfigError as e:
                 raise ConfigError(f"speculative_config.draft_quantization is invalid: {e}") from None
-        if self.draft_vocab_size is not None:
-            _check(_is_int(self.draft_vocab_size) and self.draft_vocab_size >= 1, "draft_vocab_size", "an integer >= 1")
-            _check(getattr(PROPOSERS[self.method], "scores_vocabulary", False), "draft_vocab_size",
-                   "only with a learned drafter (it restricts the drafter's LM head)")
-        if self.greedy_draft_vocab_size is not None:
-            _check(_is_int(self.greedy_draft_vocab_size) and self.greedy_draft_vocab_size >= 0,
-                   "greedy_draft_vocab_size", "an integer >= 1, or 0 for every token")
-            _check(getattr(PROPOSERS[self.method], "scores_vocabulary", False), "greedy_draft_vocab_size",
-                   "only with a learned drafter (it restricts the drafter's LM head)")
+        for key, least, accepted in (("draft_vocab_size", 1, "an integer >= 1"),
+                                     ("greedy_draft_vocab_size", 0, "an integer >= 1, or 0 for every token")):
+            size = getattr(self, key)
+            if size is not None:
+                _check(_is_int(size) and size >= least, key, accepted)
+                _check(getattr(PROPOSERS[self.method], "scores_vocabulary", False), key,
+                       "only with a learned drafter (it restricts the drafter's LM head)")
         _check(self.draft_vocab_frequencies is None or isinstance(self.draft_vocab_frequencies, str),
                "draft_vocab_frequencies", "a file path")
         _check(_is_int(self.tree_num_nodes) and 1 <= self.tree_num_nodes <= 256, "tree_num_nodes", "an integer in [1, 256]")

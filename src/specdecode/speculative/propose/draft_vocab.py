@@ -15,7 +15,8 @@ written by `specdecode token-frequencies`).
 
 Greedy and sampled proposals draft with separate heads (`DraftHeads`): an all-greedy proposal is
 verified by token equality, and the target's argmax is almost always a frequent token, so FR-Spec
-cost it no acceptance in any measurement here; a sampled one draws from q, and dropping the rare
+cost MTP and the draft model no acceptance in any measurement here (EAGLE-3 at most 0.02 tokens of
+mean acceptance length); a sampled one draws from q, and dropping the rare
 tokens' mass lowered acceptance more than the cheaper head gained. `greedy_draft_vocab_size`
 sizes the greedy head (unset: draft_vocab_size, else the method's measured default,
 `DEFAULT_GREEDY_DRAFT_VOCAB_SIZE`, where token counts are at hand).
