@@ -110,6 +110,34 @@ def test_live_cost_learns_each_widths_measured_shape():
     assert live.step_time(1, 5) == pytest.approx(0.014 * 0.0105 / 0.012, rel=0.03)  # width 2's correction
 
 
+def test_prices_and_the_decisions_priced_from_them_are_kept_until_the_live_cost_reprices():
+    """Pricing anew after every step was a large part of what D-Cut's policy cost a step; an EMA moving
+    10% a step changes a price little in a few steps. So prices last `reprice_every` observations, and
+    the controller's decisions priced from them (auto-k's depth) last as long."""
+    live = LiveCost(CostModel({1: {1: 0.010, 5: 0.012}}, 128), reprice_every=3)
+    assert live.step_time(1, 1) == pytest.approx(0.010)
+    for _ in range(2):
+        live.observe(1, 1, 0.020)
+    assert live.step_time(1, 1) == pytest.approx(0.010) and live.epoch == 0  # kept
+    live.observe(1, 1, 0.020)
+    assert live.step_time(1, 1) > 0.011 and live.epoch == 1  # repriced
+
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, draft_length_schedule="auto")
+    depth = DepthController(config, lambda: FREE_VERIFY)
+    depth.guard = type(depth.guard)(4, probe_every=1000)  # no probes deeper than auto-k's depth
+
+    class Seq:
+        room = 100
+
+    first = depth.plan([Seq()], [1]).max_tokens
+    assert first[0] > 0
+    depth.estimator.rate = [0.0] * 4  # nothing is accepted any more
+    assert depth.plan([Seq()], [1]).max_tokens == first  # the decision stands until the repricing
+    for _ in range(depth.reprice_every):
+        depth.cost.observe(1, 1, 0.01)
+    assert depth.plan([Seq()], [1]).max_tokens == [0]
+
+
 def test_drafter_catch_up_is_priced_and_amortised():
     """A large batch whose drafter has not seen the prompts must not draft a step or two just to
     pay a drafter prefill over every prompt; with many tokens left, the same catch-up pays off."""
@@ -285,10 +313,10 @@ def test_acceptance_per_position_is_learned_only_from_drafts_the_stop_rule_did_n
     rule = depth.draft_stop(stopped)
     assert depth.draft_stop(stopped) is rule and depth.draft_stop(unstopped) is None
     rule(0, [[0.9]], [0])  # the proposal asked the rule
-    before, bins = list(depth.estimator.rate), depth.estimator.pooled.copy()
+    before, bins = list(depth.estimator.rate), sum(depth.estimator.pooled)
     depth.update(stopped, [Seq()], [2], [0], draft_seconds=0.0, num_draft_steps=2, confidence=[[0.9, 0.9]])
     assert depth.estimator.rate == before  # a selected sample: not learned per position
-    assert depth.estimator.pooled.sum() > bins.sum()  # the draft's own confidence still calibrates
+    assert sum(depth.estimator.pooled) > bins  # the draft's own confidence still calibrates
     depth.update(unstopped, [Seq()], [2], [0], draft_seconds=0.0, num_draft_steps=2, confidence=[[0.9, 0.9]])
     assert depth.estimator.rate[0] < before[0]
     never_asked = depth.plan([Seq()], [1])  # a stoppable step whose proposal never consulted its rule

@@ -72,20 +72,14 @@ class OneRowStop(NamedTuple):
 class DraftStopRule:
     """D-Cut's drafting half for one step's proposal (`DepthController.keep_drafting`), called by
     chain drafters after each drafter step. For one sequence it is a threshold per position, priced
-    once per proposal, which the C++ drafting chain can evaluate itself (`one_row`): the chain
-    then drafts in one call, not one call a step with this rule asked between them (traced with
-    EAGLE-3 at batch 1: 0.70 ms drafting 3.25 positions a step against 0.72 ms for 3.93 in one call,
-    plus 0.04 ms in the rule)."""
+    when the live cost reprices (`DepthController._priced`), which the C++ drafting chain can
+    evaluate itself (`one_row`): the chain then drafts in one call, not one call a step with this
+    rule asked between them (traced with EAGLE-3 at batch 1: 0.70 ms drafting 3.25 positions a step
+    against 0.72 ms for 3.93 in one call, plus 0.04 ms in the rule)."""
 
     def __init__(self, depth: "DepthController"):
         self.depth = depth
-        self._thresholds: list[float] | None = None
         self.asked = False  # whether the proposal consulted it (then which positions were drafted depends on it)
-
-    def thresholds(self) -> list[float]:
-        if self._thresholds is None:
-            self._thresholds = self.depth.one_row_thresholds()
-        return self._thresholds
 
     def __call__(self, step: int, tops: list[list[float]], drafting: list[int]) -> list[int]:
         self.asked = True
@@ -93,15 +87,25 @@ class DraftStopRule:
             return self.depth.keep_drafting(step, tops, drafting)
         if not drafting:
             return []
-        a, tau = self.depth.one_row_survival(tops[0])
-        return drafting if a / tau > self.thresholds()[step] else []
+        scale, theta = self._prices()
+        a, tau = self.depth.one_row_survival(tops[0], scale=scale)
+        return drafting if a / tau > theta[step] else []
 
     def one_row(self) -> OneRowStop:
         self.asked = True
         est = self.depth.estimator
-        return OneRowStop(torch.from_numpy(est.binned), torch.from_numpy(est.pooled),
-                          torch.tensor(est.scale(), dtype=torch.float64),
-                          torch.tensor(self.thresholds(), dtype=torch.float64), float(est.bin_prior))
+
+        def tables() -> OneRowStop:  # the bins are the estimator's own arrays (they learn in place)
+            scale, theta = self._prices()
+            return OneRowStop(est.binned_tensor, est.pooled_tensor, torch.tensor(scale, dtype=torch.float64),
+                              torch.tensor(theta, dtype=torch.float64), float(est.bin_prior))
+
+        return self.depth._priced("one_row", tables)
+
+    def _prices(self) -> tuple[list[float], list[float]]:
+        """(the confidence scale per position, the thresholds), as the controller last priced them."""
+        depth = self.depth
+        return depth._priced("one_row_prices", lambda: (depth.estimator.scale(), depth.one_row_thresholds()))
 
 
 class DepthController:
@@ -129,6 +133,12 @@ class DepthController:
         self.tracks_confidence = self.pruning == "dcut"
         self._cost_model_loader = cost_model_loader
         self._cost = None
+        # The live cost reprices every `reprice_every` steps, and the decisions priced from it (auto-k's depth
+        # without a catch-up, the stop rule's thresholds) are kept as long (`_priced`): pricing them every step
+        # was ~30 us of a ~0.75 ms D-Cut step at batch 1 (MTP k=3, W4A8). They depend on past steps only.
+        self.reprice_every = 8
+        self._priced_cache: dict = {}
+        self._priced_epoch = -1
         self.guard = MeasuredGuard(self.k)
         # Every `unstopped_every`-th step D-Cut would stop rows while drafting drafts them to the planned
         # depth instead: only such steps measure acceptance per position (`update`).
@@ -146,8 +156,18 @@ class DepthController:
     @property
     def cost(self) -> LiveCost:
         if self._cost is None:
-            self._cost = LiveCost(self._cost_model_loader())
+            self._cost = LiveCost(self._cost_model_loader(), reprice_every=self.reprice_every)
         return self._cost
+
+    def _priced(self, key, compute):
+        """`compute()`, kept under `key` until the live cost reprices."""
+        if self._priced_epoch != self.cost.epoch:
+            self._priced_cache.clear()
+            self._priced_epoch = self.cost.epoch
+        value = self._priced_cache.get(key)
+        if value is None:
+            value = self._priced_cache[key] = compute()
+        return value
 
     @property
     def needs_cost_model(self) -> bool:
@@ -173,8 +193,12 @@ class DepthController:
             extra = self.catch_up_tokens(pending)
             catch_up = self._catch_up_seconds(extra, B)
             step = self.cost.step_time(B, B)
-            k = auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up, remaining,
-                       draft_fixed=self.draft_cost.fixed * step)
+
+            def depth() -> int:
+                return auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up,
+                              remaining, draft_fixed=self.draft_cost.fixed * step)
+
+            k = depth() if extra else self._priced(("auto_k", B), depth)  # without a catch-up, `remaining` is moot
             chosen = self.guard.choose(B, k, switch_steps=catch_up / step)
             if chosen > 0:
                 # Acceptance at a position is measured only where it is verified, and a width's cost only where

@@ -108,7 +108,7 @@ class LiveCost:
     width's (the guard's deeper probes measure the next width up).
     """
 
-    def __init__(self, profile: CostModel, weight: float = 0.1, min_samples: int = 4):
+    def __init__(self, profile: CostModel, weight: float = 0.1, min_samples: int = 4, reprice_every: int = 1):
         self.profile = profile
         self.weight = weight
         self.min_samples = min_samples
@@ -117,10 +117,14 @@ class LiveCost:
         self.shape: dict[int, dict[int, list[float]]] = {}
         self.observed: dict[int, int] = {}  # bucket -> steps observed
         self.measured: dict[int, tuple[list[int], list[float]]] = {}  # bucket -> widths with min_samples, corrections
-        # Prices asked since the last observation: one step's policies price the same few forwards ~20
-        # times (auto-k, D-Cut's stop rule after each drafter step, its cut), ~3 us each on the caches a
-        # forward left cold.
+        # Prices asked since the last repricing, which comes every `reprice_every` observations (`epoch` counts
+        # them): one step's policies price the same few forwards ~20 times (auto-k, D-Cut's stop rule, its
+        # cut), ~3 us each on the caches a forward left cold, and an EMA moving 10% a step changes a price
+        # little in a few steps (`DepthController` reprices every 8 and keeps its own decisions as long).
         self._prices: dict[tuple[int, int], float] = {}
+        self.reprice_every = reprice_every
+        self.epoch = 0
+        self._since_reprice = 0
 
     def factor(self, batch_size: int) -> float:
         """The level: measured / profiled step time in this batch size's bucket (the machine's speed)."""
@@ -158,7 +162,10 @@ class LiveCost:
 
     def observe(self, batch_size: int, total_tokens: int, seconds: float) -> None:
         """A step's measured seconds outside drafting, for a forward of these dimensions."""
-        self._prices.clear()
+        self._since_reprice += 1
+        if self._since_reprice >= self.reprice_every:
+            self._prices.clear()
+            self._since_reprice, self.epoch = 0, self.epoch + 1
         bucket = batch_size.bit_length()
         count = self.observed[bucket] = self.observed.get(bucket, 0) + 1
         old = self.scale.get(bucket)
