@@ -393,9 +393,10 @@ class DepthController:
         # the rule; priced at that, the rule stopped 199 of 749 drafts after one token that was then accepted
         # 87% of the time, 0.83x fixed k's speed). Each draft's own confidence still calibrates (per bin).
         selected = plan.stop_rule is not None and plan.stop_rule.asked
-        self.estimator.update(num_draft, num_accepted, confidence, per_position=not selected)
-        self._observe_step(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds or 0.0,
-                           counts=bool(step_seconds) and not plan.catching_up)
+        if self.needs_cost_model or self.confidence_threshold > 0:  # else nothing reads the estimator or the guard
+            self.estimator.update(num_draft, num_accepted, confidence, per_position=not selected)
+            self._observe_step(len(seqs), sum(num_draft) > 0, len(seqs) + sum(num_accepted), step_seconds or 0.0,
+                               counts=bool(step_seconds) and not plan.catching_up)
         if num_draft_steps and self._cost is not None:
             units = draft_seconds / self._cost.step_time(len(seqs), len(seqs))
             if not plan.catching_up:
