@@ -547,6 +547,24 @@ def test_a_declined_step_re_measures_drafting_at_backing_off_intervals_where_dra
     assert set(choices) == {0, 4}  # at the full depth
 
 
+def test_a_declined_step_re_measures_drafting_that_was_tried_but_not_yet_measured():
+    """A bucket that drafted a step or two (too few to measure the arm) and whose model then declines
+    from the acceptance those drafts showed must still draft a burst now and then: else the model's
+    "no" rests on them for good (traced, MTP D-Cut at batch 1: nothing drafted for whole runs)."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4, min_samples=4)
+    assert [guard.choose(1, 3) for _ in range(2)] == [3, 3]  # drafted on the prior
+    guard.observe(1, drafted=True, tokens=1, seconds=0.030)  # nothing accepted
+    for _ in range(4):
+        guard.observe(1, drafted=False, tokens=1, seconds=0.010)
+    assert guard.rate(1, True) is None
+    choices = [guard.choose(1, 0) for _ in range(8)]  # the model now says no
+    assert choices == [0, 4, 4, 4, 4, 0, 0, 0]  # a burst at full depth from the 4th decision
+    never = MeasuredGuard(k_max=4, explore_every=32, probe_every=1000, first_explore=4, min_samples=4)
+    assert [never.choose(1, 0) for _ in range(8)] == [0] * 8  # a bucket that never drafted: the "no" stands
+
+
 def test_measured_guard_needs_several_steps_per_arm():
     from specdecode.speculative.policy.guard import MeasuredGuard
 

@@ -69,6 +69,7 @@ class MeasuredGuard:
         self.margin = margin  # drafting must measure below margin x plain to be stopped (per-step rates are noisy)
         self.sums: dict[tuple[int, bool], list[float]] = {}  # (bucket, drafted) -> EMA [tokens, seconds], steps
         self.decisions: dict[int, int] = {}  # bucket -> decisions seen
+        self.drafted: set[int] = set()  # buckets where a decision has drafted
 
     def rate(self, bucket: int, drafted: bool) -> float | None:
         """Measured committed tokens per second (a ratio of EMA sums: a step's weight is its length);
@@ -99,7 +100,7 @@ class MeasuredGuard:
         n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
         if self.burst_left.get(bucket, 0) > 0 and (k > 0 or self.burst_drafts[bucket]):  # the rest of a burst
             self.burst_left[bucket] -= 1
-            return self._deeper(k or self.k_max, n) if self.burst_drafts[bucket] else 0
+            return self._deeper(k or self.k_max, n, bucket) if self.burst_drafts[bucket] else 0
         measured, loses = self.verdict_now(bucket)
         since = self.since[bucket] = self.since.get(bucket, 0) + 1
         interval = self.interval.get(bucket, self.explore_every)
@@ -126,18 +127,23 @@ class MeasuredGuard:
             # drafted (traced at batch 1: D-Cut with EAGLE-3 drafted 53 tokens in a whole run; with
             # one-token probes, which measure position 0 alone and no drafting cost, auto-k with
             # EAGLE-3 drafted 2 tokens in a run where fixed k=4 measured 1.26x). The interval backs
-            # off like the re-measurements of drafting.
-            if not (explore and measured):
+            # off like the re-measurements of drafting. Also where drafting was tried but is not measured
+            # yet: the "no" then rests on those few drafts (traced, MTP k=3 D-Cut at W4A8, batch 1: two
+            # drafting steps that accepted nothing at a run's start, acceptance priced at 0.71-0.78 a
+            # position where fixed k measured 0.82-0.90, and no token drafted for the rest of the run,
+            # 0.92x plain, while fixed k ran at 1.03-1.05x). Only a bucket that never drafted keeps it.
+            if not (explore and (measured or bucket in self.drafted)):
                 return 0
             self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, True
-            return self.k_max
+            return self._deeper(self.k_max, n, bucket)
         drafting = loses == explore
         if explore:  # the other arm, for `burst` steps (the interval counts from the burst's end)
             self.burst_left[bucket], self.burst_drafts[bucket] = self.burst - 1, drafting
-        return self._deeper(k, n) if drafting else 0
+        return self._deeper(k, n, bucket) if drafting else 0
 
-    def _deeper(self, k: int, n: int) -> int:
-        """Every `probe_every`-th drafting decision drafts one position deeper than chosen."""
+    def _deeper(self, k: int, n: int, bucket: int) -> int:
+        """A drafting decision's depth: every `probe_every`-th drafts one position deeper than chosen."""
+        self.drafted.add(bucket)
         return k + 1 if k < self.k_max and n % self.probe_every == self.probe_every // 2 else k
 
     def observe(self, batch_size: int, drafted: bool, tokens: int, seconds: float) -> None:
