@@ -155,6 +155,32 @@ def test_inverse_cdf_draws_from_the_given_mass_and_never_a_zero():
     assert inverse_cdf(mass, torch.zeros(2, dtype=torch.float64)).tolist() == [1, 0]
 
 
+def test_the_cpu_inverse_cdf_draws_the_tensor_ops_tokens():
+    """The C++ `inverse_cdf` (kernels/decode_stack_cpu.cpp) adds in float64 in the order torch's cumsum
+    does: the same token for every row and uniform, at the edges too (u = 0, the largest u below 1,
+    rows with zeros and tiny masses, a row of no mass)."""
+    from specdecode.sampling import _tensor_inverse_cdf, native_sampling
+
+    if native_sampling() is None:
+        pytest.skip("the C++ stack is not built here")
+    native = native_sampling().inverse_cdf
+    g = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(512, 8192, generator=g), dim=-1)
+    probs[::7] *= (torch.rand(probs[::7].shape, generator=g) < 0.3)  # zeros among the mass
+    probs[3, 100] = 1e-30
+    probs[5] = 0.0  # no mass
+    u = torch.rand(512, dtype=torch.float64, generator=g)
+    u[:4] = torch.tensor([0.0, 1.0 - 2.0 ** -53, 0.5, 1e-300], dtype=torch.float64)
+    assert torch.equal(native(probs, u), _tensor_inverse_cdf(probs, u))
+    for row in range(16):  # every uniform near a boundary of one row's cumulative mass
+        cdf = probs[row].double().cumsum(0)
+        at = cdf[cdf > 0][:64] / cdf[-1].clamp_min(1e-300)
+        near = torch.cat([at, torch.nextafter(at, torch.zeros_like(at)), torch.nextafter(at, torch.ones_like(at))])
+        near = near.clamp(0, 1.0 - 2.0 ** -53)
+        rows = probs[row].expand(len(near), -1).contiguous()
+        assert torch.equal(native(rows, near), _tensor_inverse_cdf(rows, near))
+
+
 @pytest.mark.parametrize("filters", [dict(), dict(temperature=0.7, top_k=4), dict(temperature=1.3, top_p=0.8)])
 def test_plain_sampling_draws_from_the_processed_distribution(filters):
     # sample(): one row's processed p, 200,000 times (one float64 uniform a row); a draw that ignored

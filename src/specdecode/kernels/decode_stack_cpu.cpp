@@ -59,6 +59,88 @@ namespace {
 
 using OptTensor = std::optional<torch::Tensor>;
 
+// sampling.py inverse_cdf's rule on q [n] (mass >= 0): the first index whose running float64 sum
+// exceeds u * the total, kept below the total (which u * total may round up to); -1 where none does
+// (a q of no mass). Sequential float64 sums, as torch's cumsum adds them, so the same index. The sums
+// are one chain of dependent adds (~10 us for 8,192 tokens here): made once and kept, then searched.
+int64_t first_above(const float* q, int64_t n, double u) {
+  thread_local std::vector<double> cdf;
+  cdf.resize(n);
+  double running = 0.0;
+  for (int64_t i = 0; i < n; ++i) cdf[i] = running += q[i];
+  const double threshold = std::min(u * running, std::nextafter(running, 0.0));
+  const auto above = std::upper_bound(cdf.begin(), cdf.end(), threshold);  // sorted: the mass is >= 0
+  return above == cdf.end() ? -1 : above - cdf.begin();
+}
+
+// sampling.py inverse_cdf for float32 probs [N, V] and float64 u [N] -> int64 [N] (V - 1 for a row of
+// no mass, as its clamped searchsorted): the same tokens without its eight tensor ops, which cost
+// ~55 us a sampled token after a forward had left the caches cold.
+torch::Tensor inverse_cdf_rows(const torch::Tensor& probs, const torch::Tensor& u) {
+  TORCH_CHECK(probs.dim() == 2 && probs.scalar_type() == at::kFloat && probs.is_contiguous() && probs.device().is_cpu(),
+              "inverse_cdf: contiguous float32 CPU probs [N, V]");
+  TORCH_CHECK(u.dim() == 1 && u.scalar_type() == at::kDouble && u.is_contiguous() && u.numel() == probs.size(0),
+              "inverse_cdf: contiguous float64 u [N]");
+  const int64_t N = probs.size(0), V = probs.size(1);
+  auto out = torch::empty({N}, torch::TensorOptions().dtype(torch::kLong));
+  const float* p = probs.data_ptr<float>();
+  const double* draws = u.data_ptr<double>();
+  int64_t* tokens = out.data_ptr<int64_t>();
+  for (int64_t r = 0; r < N; ++r) {
+    const int64_t i = first_above(p + r * V, V, draws[r]);
+    tokens[r] = i >= 0 ? i : V - 1;
+  }
+  return out;
+}
+
+// speculative/verify/chain.py _one_sampled_row's rule once p is computed: p [k + 1, V] and q [k, V]
+// (none: one-hot drafts) float32, the row's drafts, u [k] float32 and u_final -> (accepted drafts,
+// final token). Draft j is accepted while u[j] q[j, x_j] < p[j, x_j] (float32 products and compares,
+// as the tensor ops make them); the final token is drawn by inverse CDF from max(0, p - q) at the
+// rejected position (q one-hot: p without the drafted token) where that has mass (a positive sum, no
+// NaN), else from p there. The same tokens as the ~15 tensor ops it replaces (~75 us after a forward).
+std::pair<int64_t, int64_t> verify_sampled_row(const torch::Tensor& p, const OptTensor& q, const std::vector<int64_t>& drafts,
+                                               int64_t num_draft, const torch::Tensor& u, double u_final) {
+  TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kFloat && p.is_contiguous() && p.device().is_cpu(),
+              "verify_sampled_row: contiguous float32 CPU p [k + 1, V]");
+  const int64_t V = p.size(1);
+  TORCH_CHECK(num_draft >= 0 && num_draft < p.size(0) && static_cast<int64_t>(drafts.size()) >= num_draft,
+              "verify_sampled_row: num_draft drafts and k + 1 rows of p");
+  TORCH_CHECK(u.scalar_type() == at::kFloat && u.is_contiguous() && u.numel() >= num_draft, "verify_sampled_row: float32 u [k]");
+  TORCH_CHECK(!q.has_value() || (q->scalar_type() == at::kFloat && q->is_contiguous() && q->dim() == 2 &&
+                                 q->size(1) == V && q->size(0) >= num_draft),
+              "verify_sampled_row: contiguous float32 q [k, V]");
+  const float* pp = p.data_ptr<float>();
+  const float* qq = q.has_value() ? q->data_ptr<float>() : nullptr;
+  const float* uu = u.data_ptr<float>();
+  int64_t accepted = 0;
+  while (accepted < num_draft) {
+    const int64_t x = drafts[accepted];
+    TORCH_CHECK(x >= 0 && x < V, "verify_sampled_row: a draft outside the vocabulary");
+    const float lhs = qq ? uu[accepted] * qq[accepted * V + x] : uu[accepted];
+    if (!(lhs < pp[accepted * V + x])) break;
+    ++accepted;
+  }
+  const float* dist = pp + accepted * V;
+  std::vector<float> residual;
+  if (accepted < num_draft) {
+    const int64_t x = drafts[accepted];
+    residual.resize(V);
+    bool positive = false, nan = false;
+    for (int64_t i = 0; i < V; ++i) {
+      // max(p - q, 0), keeping a NaN as clamp_ does; q one-hot: p without the drafted token
+      const float d = qq ? dist[i] - qq[accepted * V + i] : (i == x ? 0.0f : dist[i]);
+      const float r = std::isnan(d) ? d : std::max(d, 0.0f);
+      residual[i] = r;
+      positive |= r > 0.0f;
+      nan |= std::isnan(r);
+    }
+    if (positive && !nan) dist = residual.data();
+  }
+  const int64_t token = first_above(dist, V, u_final);
+  return {accepted, token >= 0 ? token : V - 1};
+}
+
 // specdecode_int8::int8_linear (gemv_int8_cpu.cpp), looked up once: the op must be registered (its
 // extension loaded) before the first stack is built.
 at::Tensor int8_linear_op(const at::Tensor& x, const at::Tensor& blocked, const at::Tensor& few_scales,
@@ -1038,22 +1120,17 @@ class DraftStep {
   // running sum exceeds u * the total (sequential sums, as sampling.py inverse_cdf's cumsum).
   int64_t inverse_cdf(const float* q, int64_t n, double u, float* q_out) const {
     const int64_t* ids = head_ids_.has_value() ? head_ids_->data_ptr<int64_t>() : nullptr;
-    double total = 0.0;
-    for (int64_t i = 0; i < n; ++i) total += q[i];
     if (ids) {
       for (int64_t i = 0; i < n; ++i) q_out[ids[i]] = q[i];
     } else {
       std::memcpy(q_out, q, n * sizeof(float));
     }
-    const double threshold = std::min(u * total, std::nextafter(total, 0.0));
-    double running = 0.0;
-    int64_t last = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      running += q[i];
-      if (q[i] > 0.0f) last = i;
-      if (running > threshold) return i;
-    }
-    return last;  // an all-zero row (NaN scores): no caller's q sums to zero
+    const int64_t i = first_above(q, n, u);
+    if (i >= 0) return i;
+    int64_t last = 0;  // a row of no mass (NaN scores; no caller's q sums to zero): its last positive entry
+    for (int64_t j = 0; j < n; ++j)
+      if (q[j] > 0.0f) last = j;
+    return last;
   }
 
   // Scores s [n] -> (the first maximum, NaN counting as the largest as in torch.argmax: the full
@@ -1171,6 +1248,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "an int4 layer: specdecode_int4::int4_linear with these arguments");
   m.def("a8_linear", &a8_linear, "a w8a8 (weight_bits 8) or w4a8 (4) layer: specdecode_a8's op with these arguments");
   m.def("with_wide", &with_wide, "the layer, from wide_from rows on the layer `wide` (its packed dense copy)");
+  m.def("inverse_cdf", &inverse_cdf_rows, "sampling.py inverse_cdf: float32 probs [N, V], float64 u [N] -> int64 [N]",
+        py::arg("probs"), py::arg("u"));
+  m.def("verify_sampled_row", &verify_sampled_row,
+        "speculative/verify/chain.py _one_sampled_row's rule from p: (accepted drafts, final token)", py::arg("p"),
+        py::arg("q"), py::arg("drafts"), py::arg("num_draft"), py::arg("u"), py::arg("u_final"));
   m.def("packed_linear", &packed_linear,
         "a PackedLinear: specdecode_bf16::gemm_bf16 on few_blocked up to few_upto rows, else mkldnn::_linear_pointwise");
   py::class_<Layer>(m, "Layer")
