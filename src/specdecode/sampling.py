@@ -325,9 +325,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Raw logits [N, V] float32 -> token ids [N] (adjustments, then the processed distribution).
     A sampled row draws one float64 uniform (inverse CDF); keyed rows race their keyed noise."""
     logits = adjust_logits(logits, batch)
-    greedy_tokens = argmax(logits)
     if batch.all_greedy:
-        return greedy_tokens
+        return argmax(logits)
     probs = process_logits(logits, batch)
     sampled = inverse_cdf(probs, uniform_draws(len(batch.generators), 1, batch.generators, probs.device,
                                                torch.float64)[:, 0])
@@ -335,4 +334,6 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         keyed = torch.tensor(batch.keyed_rows, device=probs.device)
         race = probs[keyed] / race_noise(batch.select(batch.keyed_rows), probs.shape[1])
         sampled = sampled.index_copy(0, keyed, race.argmax(dim=-1))
-    return torch.where(batch.temperature > 0, sampled, greedy_tokens)
+    if len(batch.greedy) == len(batch.generators) and not any(batch.greedy):  # no argmax to merge (~20 us at T=1)
+        return sampled
+    return torch.where(batch.temperature > 0, sampled, argmax(logits))
