@@ -130,7 +130,7 @@ class MeasuredGuard:
             # off like the re-measurements of drafting. Also where drafting was tried but is not measured
             # yet: the "no" then rests on those few drafts (traced, MTP k=3 D-Cut at W4A8, batch 1: two
             # drafting steps that accepted nothing at a run's start, acceptance priced at 0.71-0.78 a
-            # position where fixed k measured 0.82-0.90, and no token drafted for the rest of the run,
+            # position where fixed k measured 0.83-0.90, and no token drafted for the rest of the run,
             # 0.92x plain, while fixed k ran at 1.03-1.05x). Only a bucket that never drafted keeps it.
             if not (explore and (measured or bucket in self.drafted)):
                 return 0
