@@ -122,7 +122,7 @@ std::pair<int64_t, int64_t> verify_sampled_row(const torch::Tensor& p, const Opt
     ++accepted;
   }
   const float* dist = pp + accepted * V;
-  std::vector<float> residual;
+  thread_local std::vector<float> residual;
   if (accepted < num_draft) {
     const int64_t x = drafts[accepted];
     residual.resize(V);

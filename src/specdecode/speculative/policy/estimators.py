@@ -27,6 +27,28 @@ def clipped(sample: float, expected: float | None) -> float:
     return sample if expected is None or expected <= 0 else min(sample, OUTLIER_FACTOR * expected)
 
 
+class EmaLine:
+    """EMA moments [n, y, n*n, n*y] of (n, y) samples, for a least-squares line y = fixed + slope n
+    (`DraftCost`, `CatchUpCost`)."""
+
+    def __init__(self, weight: float):
+        self.weight = weight
+        self.moments: list[float] | None = None
+
+    def observe(self, n: float, y: float) -> list[float]:
+        """Add a sample; the moments [mean n, mean y, mean n*n, mean n*y] after it."""
+        sample = [n, y, n * n, n * y]
+        self.moments = sample if self.moments is None else [
+            (1 - self.weight) * a + self.weight * b for a, b in zip(self.moments, sample)]
+        return self.moments
+
+    def slope(self, min_variance: float) -> float | None:
+        """The fitted slope, None while n's variance is below `min_variance` (too alike to separate)."""
+        m = self.moments
+        variance = m[2] - m[0] * m[0]
+        return None if variance < min_variance else (m[3] - m[0] * m[1]) / variance
+
+
 class DraftCost:
     """Drafting cost in units of the target's one-token step T(B, B): a fixed part per proposal
     (setting up the draft; the first drafter forward also feeds what was committed since the
@@ -40,19 +62,15 @@ class DraftCost:
     def __init__(self, prior_per_step: float, weight: float = 0.1):
         self.per_step, self.fixed = prior_per_step, 0.0
         self.split = False  # whether proposals of different depths have separated the parts yet
-        self.weight = weight
-        self.moments: list[float] | None = None  # EMA of [n, y, n*n, n*y]
+        self.line = EmaLine(weight)
 
     def observe(self, steps: int, cost: float) -> None:
-        if self.moments is not None:
+        if self.line.moments is not None:
             cost = clipped(cost, self.fixed + self.per_step * steps)
-        sample = [steps, cost, steps * steps, steps * cost]
-        m = self.moments = sample if self.moments is None else [
-            (1 - self.weight) * a + self.weight * b for a, b in zip(self.moments, sample)]
-        mean_n, mean_y = m[0], m[1]
+        mean_n, mean_y = self.line.observe(steps, cost)[:2]
         average = mean_y / mean_n  # per step, everything included
-        variance = m[2] - mean_n * mean_n
-        if variance < 0.1:
+        slope = self.line.slope(min_variance=0.1)
+        if slope is None:
             # Depths too alike to separate the parts: the last split, scaled to the mean cost. The average
             # alone charged a proposal's fixed part to every position (traced, EAGLE-3 D-Cut at batch 1,
             # nearly all proposals 4 deep: 0.41 steps a position against 0.07-0.13 once separated), so D-Cut
@@ -64,7 +82,6 @@ class DraftCost:
                 self.per_step, self.fixed = average, 0.0
             return
         self.split = True
-        slope = (m[3] - mean_n * mean_y) / variance
         # Noise must not make deeper drafts look free: a position costs at least a third of the average.
         self.per_step = min(average, max(slope, average / 3))
         self.fixed = mean_y - self.per_step * mean_n
@@ -89,8 +106,7 @@ class CatchUpCost:
 
     def __init__(self, weight: float = 0.2):
         self.fixed, self.per_token = 0.0, None
-        self.weight = weight
-        self.moments: list[float] | None = None  # EMA of [n, y, n*n, n*y]
+        self.line = EmaLine(weight)
 
     def price(self, tokens: int) -> float | None:
         """Units a catch-up over `tokens` costs (None: none measured yet)."""
@@ -100,16 +116,12 @@ class CatchUpCost:
         """A catch-up over `tokens` took `excess` units beyond the proposal's own drafting."""
         if tokens <= 0:
             return
-        excess = max(0.0, excess)
-        sample = [tokens, excess, tokens * tokens, tokens * excess]
-        m = self.moments = sample if self.moments is None else [
-            (1 - self.weight) * a + self.weight * b for a, b in zip(self.moments, sample)]
-        variance = m[2] - m[0] * m[0]
-        slope = (m[3] - m[0] * m[1]) / variance if variance > 1.0 else -1.0
-        if slope < 0 or slope * m[0] > m[1]:  # catch-ups too alike in length to separate the parts
-            self.per_token, self.fixed = m[1] / m[0], 0.0
+        mean_n, mean_y = self.line.observe(tokens, max(0.0, excess))[:2]
+        slope = self.line.slope(min_variance=1.0)
+        if slope is None or slope < 0 or slope * mean_n > mean_y:  # too alike in length to separate the parts
+            self.per_token, self.fixed = mean_y / mean_n, 0.0
         else:
-            self.per_token, self.fixed = slope, m[1] - slope * m[0]
+            self.per_token, self.fixed = slope, mean_y - slope * mean_n
 
 
 class AcceptanceEstimator:
