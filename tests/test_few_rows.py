@@ -88,6 +88,17 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert all(m.few_rows is None for m in model)
     assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 1, "64x32": 1} and len(probes) == 2  # cached
 
+    # Forgetting the choices (`specdecode profile --reprobe-kernels`) measures every shape again; it deletes
+    # this machine's files of every probe version, not another thread count's.
+    machine = kernel_probe.cache_path().name.removesuffix("-p2.json")
+    older, other_threads = (kernel_probe.cache_path().with_name(machine + suffix) for suffix in (".json", "4-p2.json"))
+    older.write_text("{}")
+    other_threads.write_text("{}")
+    assert kernel_probe.forget_choices() == sorted([kernel_probe.cache_path(), older])
+    assert other_threads.is_file() and kernel_probe.forget_choices() == []
+    detach_few_row_kernels(model)
+    assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": 1, "64x32": 1} and len(probes) == 4
+
     monkeypatch.setattr(kernel_probe, "faster_by_width", lambda *a: [False] * 2)
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "other"))
     fresh = torch.nn.Sequential(PackedLinear(_weight(64, 32), None))

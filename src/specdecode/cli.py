@@ -408,16 +408,29 @@ def _add_profile(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16, help="largest batch size profiled")
     p.add_argument("--max-tokens-per-seq", type=int, default=9, help="largest verify width profiled (k + 1)")
     p.add_argument("--plot", default="cost_model.png", help="where to write the plot (PNG)")
+    p.add_argument("--reprobe-kernels", action="store_true",
+                   help="measure again which kernel serves each layer shape at each width (few-row and dense-copy "
+                   "choices, cached per CPU and thread count at the first start): do this when that start ran "
+                   "while the machine was busy, or after changing the machine's load for good")
     p.set_defaults(func=_run_profile)
 
 
 def _run_profile(args) -> int:
     from specdecode import LLM
+    from specdecode.models import kernel_probe
     from specdecode.speculative.policy.cost_model import load_or_profile, plot
 
+    if args.reprobe_kernels:
+        deleted = kernel_probe.forget_choices()
+        print(f"kernel choices forgotten ({len(deleted)} cache file(s)): measuring them again while loading")
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
               compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
               verify_kernels=args.verify_kernels)
+    if args.reprobe_kernels:
+        print("kernel choices (layer shape and kernel: the most rows it serves, or the width a dense copy takes "
+              "over from; none: never faster):")
+        for key, value in sorted(kernel_probe.load_choices().items()):
+            print(f"  {key}: {value if value is not None else 'none'}")
     model = load_or_profile(llm.runner, llm.config.model, args.max_num_seqs, args.max_tokens_per_seq, thorough=True)
     widths = sorted(next(iter(model.table.values())))
     print("ms per target forward; rows: batch size, columns: new tokens per sequence")

@@ -33,11 +33,20 @@ PROBE_CONFIRM = 2  # further measurements of a width the candidate lost, before 
 
 def cache_path():
     """The choices of this CPU, thread count and torch (one JSON file of {key: choice})."""
+    # -p2: choices made since a lost width is confirmed (PROBE_CONFIRM); earlier files are measured again.
+    return _cache_dir() / f"{_machine()}-p2.json"
+
+
+def _cache_dir():
     from specdecode.defaults import cache_root
+
+    return cache_root() / "wide_kernels"
+
+
+def _machine() -> str:
     from specdecode.kernels.build import cpu_fingerprint
 
-    # -p2: choices made since a lost width is confirmed (PROBE_CONFIRM); earlier files are measured again.
-    return cache_root() / "wide_kernels" / f"{cpu_fingerprint()}-t{torch.get_num_threads()}-p2.json"
+    return f"{cpu_fingerprint()}-t{torch.get_num_threads()}"
 
 
 def cold_seconds(layers: list, x: torch.Tensor, flush: torch.Tensor, repeats: int = 3) -> float:
@@ -80,6 +89,18 @@ def faster_by_width(candidate: list, baseline: list, in_features: int, dtype: to
                 break
         faster.append(wins)
     return faster
+
+
+def forget_choices() -> list:
+    """Delete this machine's cached choices (every probe version's file for this CPU and thread
+    count), so the next load measures every shape again: a choice made while the machine was busy
+    is otherwise kept for good. Returns the deleted files."""
+    machine, deleted = _machine(), []
+    for path in sorted(_cache_dir().glob(machine + "*.json")):
+        if path.name == machine + ".json" or path.name.startswith(machine + "-"):  # not another thread count's
+            path.unlink(missing_ok=True)
+            deleted.append(path)
+    return deleted
 
 
 def load_choices() -> dict:
