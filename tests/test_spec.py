@@ -137,6 +137,25 @@ def _check_distribution(out, p):
     assert _tv(second, p[1]) < 0.015
 
 
+def test_a_one_row_draft_cut_by_views_equals_the_masked_cut():
+    """`Draft.truncate` given the host lengths cuts a one-row chain by views: the same tokens,
+    lengths, q and confidences as the masked cut, for every limit up to the draft's length."""
+    from specdecode.speculative.propose.proposer import Draft
+
+    g = torch.Generator().manual_seed(0)
+    for width, n in ((6, 6), (6, 4), (3, 1)):
+        tokens = torch.randint(0, 50, (1, width), generator=g)
+        tokens[:, n:] = -1
+        probs = torch.rand(1, width, 50, generator=g)
+        draft = Draft(tokens, torch.tensor([n]), probs, torch.rand(1, width, generator=g))
+        for limit in range(n + 1):
+            masked, viewed = draft.truncate([limit]), draft.truncate([limit], [n])
+            for field in ("token_ids", "num_tokens", "probs", "confidence"):
+                assert torch.equal(getattr(viewed, field), getattr(masked, field)), (width, n, limit, field)
+        one_hot = Draft(tokens, torch.tensor([n]))
+        assert one_hot.truncate([1], [n]).probs is None and one_hot.truncate([1], [n]).token_ids.tolist() == [tokens[0, :1].tolist()]
+
+
 def test_inverse_cdf_draws_from_the_given_mass_and_never_a_zero():
     # Unnormalised mass with zeros among it: 200,000 draws match mass / total (TV < 0.01, where the
     # same mass with two tokens swapped is 0.11 away: caught); a zero is never drawn, not even at

@@ -122,7 +122,7 @@ class Speculator:
                 confidence = draft.confidence.tolist() if draft.confidence is not None else None
                 limits = self.depth.verify_lengths(seqs, num_tokens, confidence, plan)
                 if any(limit < n for limit, n in zip(limits, num_tokens)):  # else it keeps every draft
-                    draft = draft.truncate(limits)
+                    draft = draft.truncate(limits, num_tokens)
                 if sampling.constrained:  # a draft ends before the first token its grammar forbids
                     kept, grammar = constrain_chain(sampling.grammars, draft.token_ids.tolist(),
                                                     draft.num_tokens.tolist(), self.k + 1, self.vocab_size)
