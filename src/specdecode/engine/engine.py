@@ -19,6 +19,7 @@ import torch
 
 from specdecode.config import EngineConfig, SamplingParams
 from specdecode.defaults import default_model_dir
+from specdecode.engine.lean_width import widen_lean_path
 from specdecode.engine.ragged import ForwardEntry
 from specdecode.engine.runner import Runner
 from specdecode.engine.scheduler import ScheduledBatch, Scheduler
@@ -159,6 +160,7 @@ class LLM:
         self.max_model_len = max_model_len or context
         self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device, self.quantization,
                              compile=compile, exact=exact)
+        widen_lean_path(self.runner)  # before any request holds a KV slot (and before the cost profile)
         self.scheduler = Scheduler(max_num_seqs, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys(
             self.model_config.eos_token_ids + ((self.tokenizer.eos_token_id,) if self.tokenizer.eos_token_id is not None else ())))

@@ -285,14 +285,15 @@ struct Linear {
 #if SPECDECODE_LEAN_PATH
   // The most rows the lean path's direct calls (`direct`) serve: every row count for a w8a8 / w4a8
   // layer, up to few_upto for a bf16 one with the few-row kernel's layout (what its module takes
-  // there), none otherwise. `bf16_only`: they serve bf16 activations only.
-  int64_t direct_rows(bool& bf16_only) const {
+  // there; every row count where `widened`: the stack's measured lean width caps it), none otherwise.
+  // `bf16_only`: they serve bf16 activations only.
+  int64_t direct_rows(bool& bf16_only, bool widened = false) const {
     if (a8_bits != 0) return wide ? 0 : INT64_MAX;
 #if SPECDECODE_LEAN_BF16
     if (bits == 16 && few_blocked.has_value() && few_blocked->scalar_type() == at::kBFloat16 &&
         (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()))) {
       bf16_only = true;
-      return few_upto;
+      return widened ? INT64_MAX : few_upto;
     }
 #endif
     return 0;
@@ -487,8 +488,10 @@ struct CacheRows {
 class Stack {
  public:
   // cached_attention: attention by specdecode_attn::cached_attention (as the modules where it is built),
-  // else PyTorch's scaled_dot_product_attention.
-  Stack(std::vector<Layer> layers, OptTensor final_norm, double eps, bool cached_attention)
+  // else PyTorch's scaled_dot_product_attention. lean_rows > 0: the lean path serves up to that many
+  // tokens, its bf16 layers on the few-row kernel whatever width their modules take it to (a width
+  // measured on whole forwards, engine/lean_width.py); 0: up to the narrowest layer's kernel width.
+  Stack(std::vector<Layer> layers, OptTensor final_norm, double eps, bool cached_attention, int64_t lean_rows = 0)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps),
         cached_attention_(cached_attention), lean_(SPECDECODE_LEAN_PATH && cached_attention) {
     const int64_t d = layers_.empty() ? 0 : layers_[0].o_proj.out_features;
@@ -499,7 +502,7 @@ class Stack {
       intermediate_ = std::max(intermediate_, l.intermediate);
 #if SPECDECODE_LEAN_PATH
       for (const Linear* linear : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
-        lean_rows_ = std::min(lean_rows_, linear->direct_rows(lean_bf16_only_));
+        lean_rows_ = std::min(lean_rows_, linear->direct_rows(lean_bf16_only_, lean_rows > 0));
 #endif
       // The shapes its buffers assume (layer 0's qkv may read a wider input: EAGLE-3's).
       const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim;
@@ -508,6 +511,7 @@ class Stack {
               l.gate_up.in_features == d && l.gate_up.out_features == 2 * l.intermediate &&
               l.down.in_features == l.intermediate && l.down.out_features == d;
     }
+    if (lean_rows > 0) lean_rows_ = std::min(lean_rows_, lean_rows);
     lean_ = lean_ && lean_rows_ > 0;
   }
 
@@ -1264,7 +1268,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                      num_kv_heads, head_dim, intermediate};
       }));
   py::class_<Stack>(m, "Stack")
-      .def(py::init<std::vector<Layer>, OptTensor, double, bool>())
+      .def(py::init<std::vector<Layer>, OptTensor, double, bool, int64_t>(), py::arg("layers"), py::arg("final_norm"),
+           py::arg("eps"), py::arg("cached_attention"), py::arg("lean_rows") = 0)
       .def("bind_cache", &Stack::bind_cache)
       .def("forward", &Stack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("slot_begin"),
            py::arg("slot_end"), py::arg("write_start"), py::arg("num_keys"), py::arg("mask"), py::arg("taps"),

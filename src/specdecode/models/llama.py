@@ -360,6 +360,10 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # > 0: the C++ stack's lean path serves forwards of up to this many tokens with its bf16 layers
+        # on the few-row kernel, a width measured on whole forwards (engine/lean_width.py); 0: up to the
+        # narrowest layer's own kernel width.
+        self.lean_rows = 0
 
     def forward(
         self,

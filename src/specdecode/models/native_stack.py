@@ -83,9 +83,12 @@ class ServedTypes:
 class NativeStack:
     """Decoder blocks (a model's whole stack with its final norm, or one drafter block) as one C++ call."""
 
-    def __init__(self, blocks: list[nn.Module], final_norm: nn.Module | None, watch: Watch, types: ServedTypes):
+    def __init__(self, blocks: list[nn.Module], final_norm: nn.Module | None, watch: Watch, types: ServedTypes,
+                 lean_rows: int = 0):
         """Raises NotServed where a block is not one the stack reproduces; `watch` records what was
-        looked at (also when it raises, so a model changed since is examined again)."""
+        looked at (also when it raises, so a model changed since is examined again). `lean_rows` > 0:
+        the lean path serves up to that many tokens, its bf16 layers on the few-row kernel at any width
+        (a model's `lean_rows`, measured on whole forwards: engine/lean_width.py)."""
         extension = decode_stack_cpu.extension()
         if extension is None:
             raise NotServed("the decode-stack kernel is not built here")
@@ -116,7 +119,8 @@ class NativeStack:
         # The modules' cached attention takes the attention op in every forward the stack serves
         # (eager, no autograd, CPU) where it is built: so does the stack.
         self._stack = extension.Stack(layers, norm_weight(final_norm, self.dtype, watch),
-                                      0.0 if final_norm is None else final_norm.eps, attention_cpu.available())
+                                      0.0 if final_norm is None else final_norm.eps, attention_cpu.available(),
+                                      lean_rows)
         self._k: list[torch.Tensor] = []  # the caches bound to the C++ stack
         self._v: list[torch.Tensor] = []
 
@@ -319,7 +323,7 @@ def native_stack_for(model: "LlamaForCausalLM", types: ServedTypes) -> NativeSta
         if model.config.is_mla or model.config.has_dsa:
             raise NotServed("MLA / DSA attention")
         blocks = [watch.get(model.model.layers, str(i)) for i in range(model.config.num_hidden_layers)]
-        return NativeStack(blocks, watch.get(model.model, "norm"), watch, types)
+        return NativeStack(blocks, watch.get(model.model, "norm"), watch, types, watch.get(model, "lean_rows"))
 
     return _cached(_STACKS, model, build)
 

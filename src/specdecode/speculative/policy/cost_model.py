@@ -244,6 +244,7 @@ def load_or_profile(runner: Runner, model_dir: Path, max_batch: int, max_width: 
     variant = [runner.quantization.name] if runner.quantization is not None else []
     variant += ["compiled"] if runner.model_forward.enabled else []
     variant += ["exact"] if runner.exact else []
+    variant += [f"lean{runner.model.lean_rows}"] if getattr(runner.model, "lean_rows", 0) else []  # engine/lean_width.py
     # Quantised layers with a dense copy for wide forwards (models/wide_kernels.py): their widths' cost, as chosen
     variant += sorted({f"wide{m.wide[1]}" for m in runner.model.modules() if getattr(m, "wide", None) is not None})
     path = cache_path(model_dir, runner.dtype, runner.device, "+".join(variant))

@@ -14,6 +14,7 @@ import dataclasses
 import torch
 
 from specdecode.defaults import DEFAULT_MODEL_NAME
+from specdecode.engine.lean_width import widen_lean_path
 from specdecode.engine.ragged import ForwardEntry
 from specdecode.engine.runner import Runner
 from specdecode.errors import ConfigError
@@ -57,6 +58,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
                               f"is shorter than the target's max_model_len ({ctx.max_len})")
         self.runner = Runner(self.model, ctx.num_slots, ctx.max_len, ctx.dtype, ctx.device, quantization,
                              compile=ctx.compile)
+        widen_lean_path(self.runner)  # its catch-up forwards (accepted drafts + 1 tokens) are verification-wide
         self.p_min = ctx.config.draft_p_min
         self.compiled = ctx.compile
         # Greedy proposal or not -> (what its C++ drafting step was built from, the step or None): native_step.py
