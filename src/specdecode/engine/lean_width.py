@@ -12,9 +12,9 @@ faster. A shape timed alone does not see what its choice costs the forward aroun
 
 So, where the layers' own widths leave the lean path narrower than 16 tokens, whole forwards at
 each wider width are timed both ways (alternating rounds, the fastest of each, as
-`models/kernel_probe.py` times a shape), and the lean path is widened up to the first width at which
-the layers' own widths measured faster every time (`LlamaForCausalLM.lean_rows`). Only the lean path is widened: batched
-forwards (several sequences) keep each layer's own choice. The result is cached with the kernel
+`models/kernel_probe.py` times a shape), and the lean path is widened up to the width before the
+first one at which the layers' own widths measured faster every time (`LlamaForCausalLM.lean_rows`).
+Only the lean path is widened: batched forwards (several sequences) keep each layer's own choice. The result is cached with the kernel
 choices (per CPU, thread count and kernel build), so a start measures it once.
 """
 
@@ -87,15 +87,13 @@ def _measure(runner, widths: list[int]) -> int:
     model = runner.model
     context = min(128, runner.max_len - max(widths) - 1)
     runner.forward([ForwardEntry(0, list(range(3, 3 + context)), start=0)])  # a context to attend to
-    probe = [ForwardEntry(0, list(range(5, 5 + widths[0])), start=context, num_logits=widths[0])]
-    model.lean_rows = widths[0]
-    stack = native_stack_for(model, NATIVE_TYPES)  # built for this width: its count of lean forwards at 0
-    runner.forward(probe)
-    model.lean_rows = 0
-    if stack is None or stack.lean_forwards() == 0:
-        return 0  # the lean path does not serve this model (its attention heads, say): nothing to widen
     chosen = 0
     try:
+        model.lean_rows = widths[0]
+        stack = native_stack_for(model, NATIVE_TYPES)  # built for this width: its count of lean forwards at 0
+        runner.forward([ForwardEntry(0, list(range(5, 5 + widths[0])), start=context, num_logits=widths[0])])
+        if stack is None or stack.lean_forwards() == 0:
+            return 0  # the lean path does not serve this model (its attention heads, say): nothing to widen
         for width in widths:
             entry = [ForwardEntry(0, list(range(5, 5 + width)), start=context, num_logits=width)]
             for _ in range(1 + kernel_probe.PROBE_CONFIRM):
