@@ -11,9 +11,32 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 from helpers import make_hf_model, make_native_model  # noqa: E402
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory):
+    """What the engine measures and converts (kernel choices, quantised tensors, cost profiles) in a
+    cache of the session's own: a run must not depend on what earlier runs on this machine left there
+    (a quantisation cache written by a bf16 load once failed the w4a8 tests). Compiled kernels stay
+    shared: their builds are keyed by source, flags, CPU and torch."""
+    from specdecode.defaults import cache_root
+
+    shared, root = cache_root() / "extensions", tmp_path_factory.mktemp("cache")
+    shared.mkdir(parents=True, exist_ok=True)
+    (root / "extensions").symlink_to(shared, target_is_directory=True)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SPECDECODE_CACHE", str(root))
+        yield root
+
+
 @pytest.fixture(scope="session")
 def native_model(tmp_path_factory) -> Path:
     return make_native_model(tmp_path_factory.mktemp("native") / "m")
+
+
+@pytest.fixture(scope="session")
+def kernel_heads_model(tmp_path_factory) -> Path:
+    """`native_model` with heads of 32 (not 16): sizes the C++ attention kernel serves, whose rows do
+    not depend on the rows beside them; PyTorch's attention, which serves 16, is not row-invariant."""
+    return make_native_model(tmp_path_factory.mktemp("kernel_heads") / "m", hidden=128)
 
 
 @pytest.fixture(scope="session")

@@ -77,6 +77,28 @@ def test_the_quantised_model_matches_the_dequantised_float_model(native_model, s
     torch.testing.assert_close(quant_logits, dense.compute_logits(dense(ids, positions).hidden), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", ["int4-g32", "w4a8"])
+def test_the_quantised_tensors_do_not_depend_on_which_dtype_loaded_the_model_first(native_model, tmp_path,
+                                                                                  monkeypatch, spec):
+    """The cache is keyed by the weights' dtype: a float32 checkpoint quantises to other tensors from its
+    bf16 rounding, and a float32 load after a bf16 one took those (w4a8 logits 12% off int4-g32's)."""
+    scheme = QuantScheme.parse(spec)
+
+    def stored(model) -> list[torch.Tensor]:
+        return [t for m in model.modules() if isinstance(m, QuantizedLinear) and not m.is_view
+                for t in (m.qweight, m.scales, m.zeros)]
+
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "fresh"))
+    alone = stored(load_model(native_model, torch.float32, quantization=scheme))
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path / "shared"))
+    from_bf16 = stored(load_model(native_model, torch.bfloat16, quantization=scheme))
+    after = stored(load_model(native_model, torch.float32, quantization=scheme))
+    assert all(torch.equal(a, b) for a, b in zip(after, alone, strict=True))
+    # The control: this float32 checkpoint's bf16 rounding quantises to other tensors.
+    assert not all(torch.equal(a, b) for a, b in zip(from_bf16, alone, strict=True))
+    assert len(list((tmp_path / "shared" / "quantized").glob("*.safetensors"))) == 2
+
+
 def test_the_cache_stores_the_quantised_tensors_and_a_reload_uses_them(native_model, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
     scheme = QuantScheme.parse("int8")

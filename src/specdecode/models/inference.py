@@ -283,7 +283,7 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
 
     module = fuse_projections(module.eval().requires_grad_(False))
     if quantization is not None:
-        quantize_checkpoint_model(module, checkpoint_dir, quantization)
+        quantize_checkpoint_model(module, checkpoint_dir, quantization, dtype)
         for layer in module.modules():
             if isinstance(layer, QuantizedLinear) and not layer.is_view:
                 layer.prepare(dtype)

@@ -391,7 +391,8 @@ def quantize_module(module: nn.Module, scheme: QuantScheme | None, cache: "Quant
 
 class QuantCache:
     """Quantised tensors on disk, keyed by the checkpoint's content hash, the scheme and the
-    dtype: a restart loads them instead of quantising again (safetensors, one file per model)."""
+    dtype of the weights quantised: a restart loads them instead of quantising again (safetensors,
+    one file per model)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -406,10 +407,15 @@ class QuantCache:
                 log.warning("ignoring the unreadable quantisation cache %s (%s)", path, e)
 
     @classmethod
-    def for_checkpoint(cls, model_dir: Path, scheme: QuantScheme) -> "QuantCache":
+    def for_checkpoint(cls, model_dir: Path, scheme: QuantScheme, dtype: torch.dtype) -> "QuantCache":
+        """`dtype`: the weights' as quantised (the served dtype's rounding of the checkpoint). A float32
+        checkpoint quantises to other tensors from its float32 weights than from their bf16 rounding:
+        without it in the key, a model's quantised tensors depended on which dtype loaded it first
+        (a float32 w4a8 load after a bf16 one took the bf16 rounding's tensors, logits 12% away)."""
         from specdecode.defaults import cache_root
 
-        return cls(cache_root() / "quantized" / f"{checkpoint_hash(model_dir)}-{scheme.name}.safetensors")
+        name = f"{checkpoint_hash(model_dir)}-{scheme.name}-{str(dtype).removeprefix('torch.')}.safetensors"
+        return cls(cache_root() / "quantized" / name)
 
     def get(self, name: str) -> dict[str, torch.Tensor] | None:
         prefix = name + "/"
@@ -530,8 +536,10 @@ def checkpoint_hash(model_dir: Path) -> str:
     return digest.hexdigest()[:20]
 
 
-def quantize_checkpoint_model(module: nn.Module, model_dir: Path | None, scheme: QuantScheme | None) -> nn.Module:
-    """quantize_module with the on-disk cache of `model_dir`'s checkpoint (None: no cache)."""
+def quantize_checkpoint_model(module: nn.Module, model_dir: Path | None, scheme: QuantScheme | None,
+                              dtype: torch.dtype) -> nn.Module:
+    """quantize_module with the on-disk cache of `model_dir`'s checkpoint (None: no cache); `dtype`:
+    the module's weights' (they are quantised as loaded)."""
     if scheme is None:
         return module
     if stored_scheme(model_dir) == scheme:  # the checkpoint holds these very tensors: nothing to quantise
@@ -540,7 +548,7 @@ def quantize_checkpoint_model(module: nn.Module, model_dir: Path | None, scheme:
         quantize_module(module, scheme, StoredQuantized(stored_quantized_layers(
             load_file(str(Path(model_dir) / "model.safetensors")))))
         return module
-    cache = QuantCache.for_checkpoint(model_dir, scheme) if model_dir is not None else None
+    cache = QuantCache.for_checkpoint(model_dir, scheme, dtype) if model_dir is not None else None
     quantize_module(module, scheme, cache)
     if cache is not None:
         try:
