@@ -33,13 +33,6 @@ def native_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def kernel_heads_model(tmp_path_factory) -> Path:
-    """`native_model` with heads of 32 (not 16): sizes the C++ attention kernel serves, whose rows do
-    not depend on the rows beside them; PyTorch's attention, which serves 16, is not row-invariant."""
-    return make_native_model(tmp_path_factory.mktemp("kernel_heads") / "m", hidden=128)
-
-
-@pytest.fixture(scope="session")
 def native_drafter(tmp_path_factory) -> Path:
     """A different random model with the same tokenizer: a drafter that is often wrong."""
     return make_native_model(tmp_path_factory.mktemp("drafter") / "d", seed=7, layers=1, hidden=32)
@@ -101,7 +94,8 @@ def trained_drafters(native_model, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def lean_model(tmp_path_factory) -> Path:
     """A native model with heads of 32 (the test models' 16 are below what the cached-attention kernel
-    takes): its w8a8 / w4a8 forwards take the C++ stack's lean path."""
+    takes): its w8a8 / w4a8 forwards take the C++ stack's lean path, and its attention computes a row
+    alike whatever rows and keys are beside it (PyTorch's, which serves 16, does not)."""
     return make_native_model(tmp_path_factory.mktemp("lean") / "m", hidden=128)
 
 

@@ -162,15 +162,15 @@ def test_the_model_is_its_own_decoding_deterministic_and_close_to_weight_only(na
 @pytest.mark.parametrize("quantization", SCHEMES)
 @pytest.mark.parametrize("method", [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
                                     {"method": "draft_model", "num_speculative_tokens": 3}])
-def test_greedy_speculation_equals_plain_decoding_in_bf16(kernel_heads_model, native_drafter, method, quantization):
+def test_greedy_speculation_equals_plain_decoding_in_bf16(lean_model, native_drafter, method, quantization):
     """Every matmul is width-invariant under w8a8 / w4a8, and so is the attention kernel, so bf16
     verification reproduces bf16 decoding. On heads of 16, which PyTorch's attention serves, a verify
     step's padded batch rounded otherwise and draft-model speculation left plain decoding's tokens."""
     spec = dict(method, **({"model": str(native_drafter)} if method["method"] == "draft_model" else {}))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(kernel_heads_model, dtype="bfloat16", quantization=quantization,
+    plain = [o.token_ids for o in LLM(lean_model, dtype="bfloat16", quantization=quantization,
                                       max_num_seqs=4).generate(PROMPTS, params)]
-    llm = LLM(kernel_heads_model, dtype="bfloat16", quantization=quantization, max_num_seqs=4,
+    llm = LLM(lean_model, dtype="bfloat16", quantization=quantization, max_num_seqs=4,
               speculative_config=spec)
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == plain

@@ -32,7 +32,7 @@ def _reference(q, keys, values, mask, group):  # float64 SDPA, the mask expanded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("D", [32, 64, 80, 96, 128, 256])
 @pytest.mark.parametrize("B,KVH,group,T,S", [(1, 4, 2, 1, 250), (2, 4, 2, 5, 37), (1, 8, 1, 3, 9), (3, 2, 4, 1, 1)])
 def test_the_op_computes_attention(dtype, D, B, KVH, group, T, S):
     q, keys, values, mask = _inputs(B, KVH, group, T, S, D, dtype)
@@ -47,7 +47,7 @@ def test_the_op_computes_attention(dtype, D, B, KVH, group, T, S):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [32, 64, 128])
+@pytest.mark.parametrize("D", [32, 64, 80, 96, 128, 256])
 def test_a_tokens_rows_do_not_depend_on_the_other_tokens(dtype, D):
     # 17 tokens (k = 16 drafts), 34 rows per KV head: all served here
     q, keys, values, mask = _inputs(1, 4, 2, 17, 300, D, dtype)
@@ -55,6 +55,21 @@ def test_a_tokens_rows_do_not_depend_on_the_other_tokens(dtype, D):
     for t in range(17):  # token t alone, with its mask row and the same keys
         alone = attention_cpu.cached_attention(q.view(1, 4, 2, 17, D)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
         assert torch.equal(alone, out[:, :, :, t]), t
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 80, 96])
+def test_a_rows_result_does_not_depend_on_the_hidden_keys_a_padded_batch_adds(dtype, D):
+    """In a ragged verify batch every sequence sees as many key columns as the longest one, the rest
+    hidden: its rows must round as with its own keys only (PyTorch's kernel, on heads it serves, did
+    not, and draft-model speculation left plain decoding's tokens)."""
+    q, keys, values, mask = _inputs(1, 4, 2, 3, 13, D, dtype)
+    own = attention_cpu.cached_attention(q, keys, values, mask, 2)
+    for S in (16, 17, 40):  # keys 13 .. S - 1 of another sequence's length, hidden from this one
+        wide_k, wide_v = _inputs(1, 4, 2, 3, S, D, dtype, seed=2)[1:3]
+        wide_mask = torch.zeros(1, 1, 3, S, dtype=torch.bool)
+        wide_k[:, :13], wide_v[:, :13], wide_mask[..., :13] = keys, values, mask
+        assert torch.equal(attention_cpu.cached_attention(q, wide_k, wide_v, wide_mask, 2), own), S
 
 
 def test_a_row_that_sees_no_key_gives_zeros():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_hf_model
+from helpers import make_hf_model, make_native_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.ragged import ForwardEntry
@@ -126,6 +126,19 @@ def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels
     _compare(llm, stack_calls, monkeypatch)
     # the 9-token prefill, the decode step, the 5-token chain and the 3-token tree: one sequence, at most
     # 40 query rows per KV head (the prefill has 18; two sequences are a batch: the general path)
+    assert stack.lean_forwards() == 4
+
+
+@pytest.mark.parametrize("hidden", [320, 384])
+def test_the_lean_path_takes_heads_of_80_and_96(tmp_path, forced_kernels, stack_calls, monkeypatch, hidden):
+    # Phi-2's and Phi-3's head sizes: bf16 scores of 80 (no whole number of 32-value chunks) by the
+    # 8-lane chain, of 96 by 32-value chunks.
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the lean path needs AVX-512 VNNI")
+    llm = LLM(make_native_model(tmp_path / "m", hidden=hidden), dtype="bfloat16", quantization="w4a8", max_num_seqs=2)
+    assert llm.model.config.head_dim == hidden // 4
+    stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
+    _compare(llm, stack_calls, monkeypatch)
     assert stack.lean_forwards() == 4
 
 

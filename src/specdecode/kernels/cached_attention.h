@@ -125,6 +125,8 @@ inline __m512 pair_sums(__m512 a, __m512 b) {
 template <int DV>
 float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t ks, const bool* visible, int64_t S,
                  float scale, float* scores) {
+  // Heads that are no whole number of 32-value chunks (80) take the 8-lane chain above.
+  if constexpr (DV % 4 != 0) return row_scores<DV, at::BFloat16>(q, k, ks, visible, S, scale, scores);
   constexpr int Z = DV / 4;  // 32-value chunks of the head
   const float neg_inf = -std::numeric_limits<float>::infinity();
   __m512bh qz[Z];
@@ -272,9 +274,14 @@ void attention(const scalar_t* qp, int64_t B, int64_t KVH, int64_t R, const scal
   });
 }
 
-// Whether `attend` serves a head size and number of rows per KV head (else PyTorch's kernel).
+// Whether `attend` serves a head size and number of rows per KV head (else PyTorch's kernel). The
+// head sizes of common models: 64 and 128 (Llama, Mistral, Qwen), 80 (Phi-2), 96 (Phi-3), 256
+// (Gemma), 32 (small ones). PyTorch's kernel, which serves the rest, is slower at these widths and
+// does not compute a row alike whatever the rows and keys beside it: a padded verify batch then
+// rounds otherwise than plain decoding.
 inline bool serves(int64_t rows, int64_t head_dim, int64_t num_keys) {
-  return rows <= kMaxRows && (head_dim == 64 || head_dim == 128 || head_dim == 32 || head_dim == 256) && num_keys > 0;
+  return rows <= kMaxRows && num_keys > 0 &&
+         (head_dim == 64 || head_dim == 128 || head_dim == 32 || head_dim == 80 || head_dim == 96 || head_dim == 256);
 }
 
 // q [B, KVH, R, D] contiguous (R = group x T rows per KV head, row g * T + t for token t); key (b, s, h)
@@ -286,6 +293,8 @@ void attend(const scalar_t* q, int64_t B, int64_t KVH, int64_t R, int64_t D, con
   switch (D) {
     case 32: return attention<4>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
     case 64: return attention<8>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
+    case 80: return attention<10>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
+    case 96: return attention<12>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
     case 128: return attention<16>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
     default: return attention<32>(q, B, KVH, R, keys, ks, values, vs, S, mask, T, out);
   }
