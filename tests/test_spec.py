@@ -64,12 +64,17 @@ def test_ngram_accepts_nearly_everything_on_repetition():
 
 
 def _scan_continuation(tokens: list[int], n_min: int, n_max: int, k: int) -> list[int]:
-    """Prompt lookup by brute force: the latest earlier window equal to the last n tokens, longest n first."""
+    """Prompt lookup by brute force: the latest earlier window equal to the last n tokens, longest n first;
+    where it ends p <= n tokens before the last token, each further token repeats the one p before it."""
     L = len(tokens)
     for n in range(min(n_max, L - 1), n_min - 1, -1):
         starts = [i for i in range(L - n) if tokens[i: i + n] == tokens[L - n:]]
         if starts:
-            return tokens[starts[-1] + n: starts[-1] + n + k]
+            draft = tokens[starts[-1] + n: starts[-1] + n + k]
+            period = L - (starts[-1] + n)
+            while period <= n and len(draft) < k:
+                draft.append((tokens + draft)[L + len(draft) - period])
+            return draft
     return []
 
 
@@ -77,7 +82,21 @@ def test_the_ngram_index_prefers_the_longest_latest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
     assert NgramIndex().continuation(tokens, 1, 3, 3) == [4, 5, 7]  # [2, 3] matched latest at index 5
     assert NgramIndex().continuation([1, 2, 3], 1, 3, 3) == []
-    assert NgramIndex().continuation([5, 5], 1, 3, 4) == [5]  # the match may run into the suffix
+    assert NgramIndex().continuation([5, 5], 1, 3, 4) == [5, 5, 5, 5]  # the match may run into the suffix
+
+
+def test_the_ngram_draft_follows_a_loop_past_the_sequences_end():
+    # [1, 2, 3] matched at distance 3 (it abuts the suffix): the sequence repeats a 3-token block.
+    assert NgramIndex().continuation([7, 1, 2, 3, 1, 2, 3], 2, 3, 8) == [1, 2, 3, 1, 2, 3, 1, 2]
+    assert NgramIndex().continuation([7, 1, 2, 3, 1, 2, 3], 2, 3, 2) == [1, 2]  # k still bounds it
+    # An overlapping match (period 2 < n = 3) loops too.
+    assert NgramIndex().continuation([9, 4, 6, 4, 6, 4], 2, 3, 5) == [6, 4, 6, 4, 6]
+    # A match farther back than its own length is no loop: its continuation stops at the sequence's end.
+    assert NgramIndex().continuation([4, 1, 2, 9, 1, 2], 2, 3, 8) == [9, 1, 2]
+    # What followed a match with room before the end is proposed as it was (no extension needed).
+    assert NgramIndex().continuation([1, 2, 3, 4, 5, 6, 1, 2], 2, 3, 3) == [3, 4, 5]
+    # follow_loops=False (benchmarks/ngram_loops.py's engine A): the draft stops at the sequence's end.
+    assert NgramIndex().continuation([7, 1, 2, 3, 1, 2, 3], 2, 3, 8, follow_loops=False) == [1, 2, 3]
 
 
 def test_the_ngram_index_grown_step_by_step_finds_what_a_full_scan_finds():
