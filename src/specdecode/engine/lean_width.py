@@ -96,15 +96,10 @@ def _measure(runner, widths: list[int]) -> int:
             return 0  # the lean path does not serve this model (its attention heads, say): nothing to widen
         for width in widths:
             entry = [ForwardEntry(0, list(range(5, 5 + width)), start=context, num_logits=width)]
-            for _ in range(1 + kernel_probe.PROBE_CONFIRM):
-                lean = narrow = float("inf")
-                for _ in range(kernel_probe.PROBE_ROUNDS):
-                    lean = min(lean, _seconds(runner, entry, width))
-                    narrow = min(narrow, _seconds(runner, entry, chosen))
-                if not narrow < kernel_probe.MARGIN * lean:
-                    break  # the layers' own widths did not win this time: the width stays the lean path's
-            else:
-                break  # they won every time
+            if kernel_probe.every_measurement(lambda: _seconds(runner, entry, width),
+                                              lambda: _seconds(runner, entry, chosen),
+                                              lambda lean, narrow: narrow < kernel_probe.MARGIN * lean):
+                break  # the layers' own widths won every time
             chosen = width
     finally:
         model.lean_rows = chosen

@@ -75,20 +75,25 @@ def faster_by_width(candidate: list, baseline: list, in_features: int, dtype: to
     for rows in widths:
         x = torch.randn(rows, in_features, dtype=dtype)
         cold_seconds(candidate, x, flush, 1), cold_seconds(baseline, x, flush, 1)  # warm-up
-        wins = False
-        for _ in range(1 + PROBE_CONFIRM):
-            # Alternate rounds, the fastest of each: a burst of load (another process on a 2-core
-            # machine) hits both kernels, not just the one timed during it (a single round measured
-            # the int8 LM head slower under its kernel during a build, and the cached choice kept it off).
-            best_candidate = best_baseline = float("inf")
-            for _ in range(PROBE_ROUNDS):
-                best_candidate = min(best_candidate, cold_seconds(candidate, x, flush))
-                best_baseline = min(best_baseline, cold_seconds(baseline, x, flush))
-            if best_candidate < MARGIN * best_baseline:
-                wins = True
-                break
-        faster.append(wins)
+        loses = every_measurement(lambda: cold_seconds(candidate, x, flush), lambda: cold_seconds(baseline, x, flush),
+                                  lambda c, b: not c < MARGIN * b)
+        faster.append(not loses)
     return faster
+
+
+def every_measurement(time_a, time_b, holds) -> bool:
+    """Whether `holds(a, b)` in each of 1 + PROBE_CONFIRM measurements of the seconds of `time_a()` and
+    `time_b()` (stopping at the first where it does not). A measurement alternates PROBE_ROUNDS rounds of
+    the two and keeps the fastest of each: a burst of load (another process on a 2-core machine) hits both,
+    not just the one timed during it (a single round measured the int8 LM head slower under its kernel
+    during a build, and the cached choice kept it off)."""
+    for _ in range(1 + PROBE_CONFIRM):
+        a = b = float("inf")
+        for _ in range(PROBE_ROUNDS):
+            a, b = min(a, time_a()), min(b, time_b())
+        if not holds(a, b):
+            return False
+    return True
 
 
 def forget_choices() -> list:
