@@ -9,7 +9,7 @@ from specdecode.engine.ragged import ForwardEntry
 from specdecode.engine.runner import Runner
 from specdecode.errors import ConfigError, InvalidRequestError
 from specdecode.models.loader import load_model
-from specdecode.sampling import SamplingBatch, argmax, process_logits
+from specdecode.sampling import RowMasks, SamplingBatch, argmax, argmax_host, process_logits, sample, sample_host
 from specdecode.tokenizer import OutputText
 
 
@@ -129,9 +129,31 @@ def test_the_fast_argmax_picks_what_torch_picks():
     for t in (x, x[:, :3], x[:, ::2], x.transpose(0, 1), x[:0], x.bfloat16(), x.double()):
         out = argmax(t)
         assert out.dtype == torch.int64 and torch.equal(out, t.argmax(dim=-1)), t.shape
+        assert argmax_host(t) == t.argmax(dim=-1).tolist(), t.shape  # the host read: the same indices, as ints
     with torch.inference_mode():
         assert torch.equal(argmax(x), x.argmax(dim=-1))
     assert not torch.equal(argmax(x), argmax(-x))  # can fail
+
+
+def test_sample_host_reads_what_sample_draws():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 40, generator=g)
+    logits[0, 5] = logits[0, 9] = 30.0  # a tie: the first
+    greedy = SamplingBatch.build([SamplingParams(temperature=0)] * 3, [None] * 3, "cpu")
+    assert sample_host(logits, greedy) == sample(logits, greedy).tolist() == logits.argmax(dim=-1).tolist()
+    # A greedy row under a grammar mask takes the argmax of the adjusted logits, not the raw ones.
+    bitmask = torch.zeros(1, 2, dtype=torch.int32)
+    bitmask[0, 0] = (1 << 7) | (1 << 9)  # tokens 7 and 9 allowed on row 1
+    masked = SamplingBatch.build([SamplingParams(temperature=0)] * 3, [None] * 3, "cpu", grammar=RowMasks([1], bitmask))
+    choice = 7 if logits[1, 7] >= logits[1, 9] else 9
+    assert sample_host(logits, masked) == sample(logits, masked).tolist() == [5, choice, int(logits[2].argmax())]
+    seeded = [SamplingParams(temperature=0.8, seed=4), SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=5)]
+
+    def batch() -> SamplingBatch:  # the same seeds each time
+        return SamplingBatch.build(seeded, [torch.Generator().manual_seed(p.seed or 0) for p in seeded], "cpu")
+
+    drawn = sample_host(logits, batch())
+    assert drawn == sample(logits, batch()).tolist() and drawn[1] == int(logits[1].argmax())
 
 
 def test_temperature_zero_is_exact_argmax(native_model):

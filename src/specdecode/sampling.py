@@ -276,6 +276,16 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     return x.argmax(dim=-1)
 
 
+def argmax_host(x: torch.Tensor) -> list:
+    """`argmax(x).tolist()`, read straight from numpy's result for a CPU float32 tensor: the torch
+    wrapper and its `tolist` were ~5 us of a step's host work, paid cold after a forward (the
+    dispatcher's code out of the caches; measured at W4A8 batch 1: 9.9 -> 5.2 us at one row,
+    13.7 -> 8.5 at four)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad and x.shape[-1] > 0:
+        return x.numpy().argmax(axis=-1).tolist()
+    return argmax(x).tolist()
+
+
 def uniform_draws(rows: int, cols: int, generators: list[torch.Generator | None], device,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """[rows, cols] uniforms in [0, 1); a seeded row draws its own `cols` from its generator."""
@@ -320,6 +330,14 @@ def _tensor_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     threshold = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
     # (clamped: an all-zero row, which no caller passes, would find no token)
     return torch.searchsorted(cdf, threshold[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_host(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+    """`sample(logits, batch).tolist()`; an all-greedy batch's argmaxes go straight to the host
+    (`argmax_host`)."""
+    if batch.all_greedy:
+        return argmax_host(adjust_logits(logits, batch))
+    return sample(logits, batch).tolist()
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

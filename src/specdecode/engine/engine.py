@@ -31,7 +31,7 @@ from specdecode.logit_adjust import LogitAdjust, RowHistory
 from specdecode.logprobs import TokenLogprob, prompt_logprobs, token_logprobs
 from specdecode.models.loader import load_model
 from specdecode.models.wide_kernels import attach_wide_kernels
-from specdecode.sampling import SamplingBatch, sample
+from specdecode.sampling import SamplingBatch, sample_host
 from specdecode.speculative.speculator import TargetHandle, build_speculator
 from specdecode.speculative.stats import SpecStats
 from specdecode.tokenizer import Tokenizer
@@ -369,7 +369,7 @@ class LLM:
         result = self.runner.forward(entries, hidden_taps=self.speculator.hidden_taps if self.speculator else ())
         batch = self._sampling_batch(seqs)
         last = result.logits[torch.arange(len(seqs)), torch.tensor(num_logits) - 1]  # [B, V] after each prompt
-        tokens = sample(last, batch).tolist()
+        tokens = sample_host(last, batch)
         if self.speculator is not None:
             self.speculator.on_prefill(seqs, result)
         prompt = None
@@ -384,7 +384,7 @@ class LLM:
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         result = self.runner.forward(entries)
         batch = self._sampling_batch(seqs)
-        tokens = sample(result.logits[:, 0], batch).tolist()
+        tokens = sample_host(result.logits[:, 0], batch)
         return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs),
                           logprobs=_plain_logprobs(seqs, result.logits[:, 0], batch, tokens))
 

@@ -36,8 +36,8 @@ import dataclasses
 
 import torch
 
-from specdecode.sampling import (SamplingBatch, adjust_logits, argmax, inverse_cdf, native_sampling, process_logits,
-                                 race_noise, uniform_draws)
+from specdecode.sampling import (SamplingBatch, adjust_logits, argmax, argmax_host, inverse_cdf, native_sampling,
+                                 process_logits, race_noise, uniform_draws)
 
 
 @dataclasses.dataclass(slots=True)
@@ -81,7 +81,7 @@ def verify(
     if rows is not None and rows.adjusts:
         target_logits = adjust_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
     if sampling.all_deterministic and not sampling.keyed_rows:
-        return _greedy(draft_token_ids.tolist(), num_draft.tolist(), argmax(target_logits).tolist(), device)
+        return _greedy(draft_token_ids.tolist(), num_draft.tolist(), argmax_host(target_logits), device)
     if B == 1 and not sampling.keyed_rows and not sampling.greedy[0]:  # one sampled row
         return _one_sampled_row(draft_token_ids, int(num_draft[0]), draft_probs, target_logits, sampling, rows)
     positions = torch.arange(k, device=device)[None, :]  # [1, k]
