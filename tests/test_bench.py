@@ -47,6 +47,9 @@ def test_run_bench_records_everything(native_model, native_drafter, prompt_file,
         assert r["output_tokens"] == 3 * 8 and r["tokens_per_second"] > 0
         # Batch 1: the decode rate leaves the prefill and first token out; batched requests overlap, so none.
         assert (r["decode_tokens_per_second"] > 0) if r["concurrency"] == 1 else "decode_tokens_per_second" not in r
+        # Prompt processing: the plain engine's, at batch 1 only (a speculative engine's first step is the same).
+        assert (r["prefill_tokens_per_second"] > 0) if r["concurrency"] == 1 and r["method"] == "none" else (
+            "prefill_tokens_per_second" not in r)
         if r["method"] == "none":
             assert r["speedup"] == 1.0
         else:
@@ -186,13 +189,43 @@ def test_repeats_are_interleaved_across_methods():
     assert all(m.decode_seconds == [2.0, 2.0, 2.0] for m in measured)
 
 
-def test_peers_timed_on_decode_only_are_compared_with_our_decode_rate():
-    baseline = ({"tokens_per_second": 100.0, "decode_tokens_per_second": 125.0}, [])
+def test_peers_timed_on_one_phase_are_compared_with_our_rate_of_that_phase():
+    baseline = ({"tokens_per_second": 100.0, "decode_tokens_per_second": 125.0, "prefill_tokens_per_second": 4000.0}, [])
     llama = {"method": "llama.cpp F16", "tokens": 128, "wall_seconds": 1.0, "outputs": None, "timing": "decode"}
+    pp = {"method": "llama.cpp F16 pp", "tokens": 150, "wall_seconds": 0.05, "outputs": None, "timing": "prefill"}
     vllm = {"method": "vllm", "tokens": 128, "wall_seconds": 1.0, "outputs": None}
     assert harness.peer_record("llama.cpp-bin", llama, 0.0, 8, baseline)["speedup"] == pytest.approx(128 / 125)
     assert harness.peer_record("llama.cpp-bin", llama, 0.0, 8, baseline)["decode_tokens_per_second"] == 128
+    record = harness.peer_record("llama.cpp-bin", pp, 0.0, 8, baseline)
+    assert record["speedup"] == pytest.approx(3000 / 4000) and record["prefill_tokens_per_second"] == 3000
+    assert "decode_tokens_per_second" not in record
     assert harness.peer_record("vllm", vllm, 0.0, 8, baseline)["speedup"] == pytest.approx(128 / 100)
+    # Without our rate of that phase (a run whose baseline has none), the wall-time rate.
+    assert harness.peer_record("llama.cpp-bin", pp, 0.0, 8, ({"tokens_per_second": 100.0}, []))["speedup"] == 30
+
+
+def test_prefill_is_timed_in_interleaved_rounds_of_one_token_requests():
+    """Every prompt as token ids for one token, engines interleaved, no warm-up; the rate is prompt tokens over
+    the rounds' seconds, and a second plain engine carries its ratio to the first (the noise floor)."""
+    log = []
+
+    class Engine:
+        def __init__(self, name):
+            self.name, self.stats = name, None
+
+        def generate(self, prompts, params):
+            log.append((self.name, [p["prompt_token_ids"] for p in prompts], {sp.max_tokens for sp in params}))
+            return [SimpleNamespace(metrics=SimpleNamespace(time_to_first_token=None, e2e_latency=None))] * len(prompts)
+
+    ids = [[1, 2, 3]] * 9  # two rounds at batch 1: 8 prompts, then 1
+    measured = timing.measure_prefill([Engine("a"), Engine("b")], ids, repeats=1)
+    assert [name for name, _, _ in log] == ["a", "b", "b", "a"] * timing.PREFILL_PASSES
+    assert [len(p) for _, p, _ in log[:4]] == [8, 8, 1, 1] and all(m == {1} for _, _, m in log)
+    first = harness._prefill_fields([1.0, 2.0] * 2, ids, baselines := {}, exact=False)
+    assert first == {"prefill_tokens_per_second": 2 * 27 / 6.0}
+    second = harness._prefill_fields([0.5, 1.0] * 2, ids, baselines, exact=False)
+    assert second["prefill_speedup"] == 2.0 and second["prefill_speedup_interval"] == [2.0, 2.0]
+    assert len(measured) == 2 and all(len(m.round_seconds) == 2 * timing.PREFILL_PASSES for m in measured)
 
 
 def test_the_vllm_peer_runs_the_same_drafters_and_k(native_model, trained_drafters, native_drafter, monkeypatch,
@@ -246,3 +279,33 @@ def test_a_peers_error_names_this_machines_paths_by_their_variables(tmp_path, mo
     assert portable(error) == ("Command '['$SPECDECODE_LLAMA_CPP_BIN/llama-bench', '-m', "
                                "'$SPECDECODE_CACHE/gguf/m-Q8_0.gguf']' died with <Signals.SIGSEGV: 11>.")
     assert portable("no path here") == "no path here"
+
+
+def test_llama_cpps_own_binaries_give_a_decode_a_prefill_and_a_speculative_row(native_model, tmp_path, monkeypatch):
+    """`run_llama_cpp_native` against stand-ins for llama.cpp's binaries (the real ones are a benchmark
+    peer, not a test dependency): llama-bench's decode at the prompts' mean depth and its prompt
+    processing of the mean prompt length, each a row timed on that phase."""
+    from specdecode.bench.peers import run_llama_cpp_native
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls.txt"
+    (bin_dir / "llama-bench").write_text(
+        f"#!/bin/sh\necho \"$@\" >> {calls}\n"
+        'case " $* " in *" -n 0 "*) echo \'[{"avg_ts": 3000.0, "stddev_ts": 40.0}]\';; '
+        '*) echo \'[{"avg_ts": 500.0, "stddev_ts": 7.0}]\';; esac\n')
+    (bin_dir / "llama-speculative-simple").write_text(
+        "#!/bin/sh\necho 'decoded 8 tokens in 0.02 seconds'\necho 'n_drafted = 10'\necho 'n_accept = 6'\n")
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("SPECDECODE_LLAMA_CPP_BIN", str(bin_dir))
+    rows = run_llama_cpp_native(native_model, None, ["a", "b"], [[1, 2, 3], [4, 5, 6, 7, 8]], 8, 3, 2, None)
+    decode, prefill, lookup = rows
+    assert decode["method"] == "llama.cpp F16 (llama-bench tg8 @ d4)" and decode["timing"] == "decode"
+    assert decode["tokens"] / decode["wall_seconds"] == pytest.approx(500.0) and decode["spread"] == "+-7 tok/s"
+    assert prefill["method"] == "llama.cpp F16 (llama-bench pp4)" and prefill["timing"] == "prefill"
+    assert prefill["tokens"] == 4 and prefill["tokens"] / prefill["wall_seconds"] == pytest.approx(3000.0)
+    assert lookup["method"] == "llama.cpp F16 prompt-lookup k=3" and lookup["tokens"] == 16
+    assert lookup["acceptance_rate"] == 0.6 and lookup["wall_seconds"] == pytest.approx(0.04)
+    tg, pp = calls.read_text().splitlines()
+    assert "-p 0 -n 8 -d 4" in tg and "-p 4 -n 0" in pp and "-d" not in pp.split()

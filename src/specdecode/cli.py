@@ -264,7 +264,7 @@ def _add_bench(sub) -> None:
     p.add_argument("--temperature", default="0", help="comma-separated temperatures, e.g. 0,0.8")
     p.add_argument("--out", default="bench_out", help="directory for results.json and results.md")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process on the same checkpoint and prompts (batch 1, greedy): transformers, llama.cpp (needs llama-cpp-python and gguf: pip install -e .[peers]), llama.cpp-bin (llama.cpp's own llama-bench and llama-speculative-simple from $SPECDECODE_LLAMA_CPP_BIN, at the weight precision matching --quantization: F16, Q8_0, Q4_0), vllm (vLLM plain and with each benchmarked ngram / draft_model / eagle3 config, same drafter and k, run by the Python of its own venv: $SPECDECODE_VLLM_PYTHON)")
+    p.add_argument("--peers", default="", help="comma-separated peer engines run in the same process on the same checkpoint and prompts (batch 1, greedy): transformers, llama.cpp (needs llama-cpp-python and gguf: pip install -e .[peers]), llama.cpp-bin (llama.cpp's own llama-bench, decode and prompt processing, and llama-speculative-simple from $SPECDECODE_LLAMA_CPP_BIN, at the weight precision matching --quantization: F16, Q8_0, Q4_0), vllm (vLLM plain and with each benchmarked ngram / draft_model / eagle3 config, same drafter and k, run by the Python of its own venv: $SPECDECODE_VLLM_PYTHON)")
     _add_model_args(p, speculative=False, exact=False)
     p.add_argument("--exact", default="off", metavar="off|on|off,on",
                    help="exact mode for every engine; off,on runs each method both ways, interleaved in one run, "

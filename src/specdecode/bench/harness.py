@@ -21,7 +21,8 @@ from tqdm import tqdm
 from specdecode.bench.methods import MethodSpec, parse_methods
 from specdecode.bench.prompts import load_prompts
 from specdecode.bench.report import markdown_table, write_plots, write_results
-from specdecode.bench.timing import ROUND_PROMPTS, Measured, measure_interleaved, rounds_of, speedup_interval
+from specdecode.bench.timing import (ROUND_PROMPTS, Measured, measure_interleaved, measure_prefill, rounds_of,
+                                     speedup_interval)
 from specdecode.config import SamplingParams
 from specdecode.engine.engine import LLM
 from specdecode.errors import ConfigError
@@ -116,13 +117,21 @@ def run_bench(cfg: BenchConfig) -> dict:
                     for exact, method in engines]
             info = info or machine_info(llms[0])
             measured = measure_interleaved(llms, prompts, params, cfg.repeats, concurrency, on_run=lambda: bar.update(1))
+            # Prompt processing at batch 1, of the plain engines (a speculative engine's first token is the same
+            # forward: no drafting happens before it); the second plain engine gives its noise floor.
+            plain = [i for i, (_, method) in enumerate(engines) if method.config is None] if concurrency == 1 else []
+            prompt_ids = [llms[0].tokenizer.encode(p) for p in prompts]
+            prefill = dict(zip(plain, measure_prefill([llms[i] for i in plain], prompt_ids, cfg.repeats)))
+            prefill_baselines = {}  # exact mode -> round seconds of its plain engine's prompt processing
             baselines = {}  # exact mode -> (record, outputs, round seconds) of its plain engine
-            for (exact, method), llm, m in zip(engines, llms, measured):
+            for i, ((exact, method), llm, m) in enumerate(zip(engines, llms, measured)):
                 num_tokens = sum(len(o.token_ids) for o in m.outputs)  # one pass
                 wall = sum(m.round_seconds) / cfg.repeats  # mean seconds per pass
                 record = {"method": method.label, "config": method.config, "exact": exact,
                           **_timed(temperature, concurrency, len(prompts), num_tokens, wall),
                           "round_seconds": [round(w, 4) for w in m.round_seconds]}
+                if i in prefill:
+                    record.update(_prefill_fields(prefill[i].round_seconds, prompt_ids, prefill_baselines, exact))
                 if concurrency == 1:  # one request at a time: its decode time is a part of the wall time
                     decode_tokens = num_tokens - sum(1 for o in m.outputs if o.token_ids)
                     decode_wall = sum(m.decode_seconds) / cfg.repeats
@@ -172,6 +181,19 @@ def _timed(temperature: float, concurrency: int, num_prompts: int, tokens: int, 
     """The fields every record has, specdecode's methods and peers alike, in the order results.json shows them."""
     return {"temperature": temperature, "concurrency": concurrency, "num_prompts": num_prompts, "output_tokens": tokens,
             "wall_seconds": round(wall, 4), "tokens_per_second": round(tokens / wall, 2)}
+
+
+def _prefill_fields(round_seconds: list[float], prompt_ids: list[list[int]], baselines: dict, exact: bool) -> dict:
+    """A plain engine's prompt processing rate (prompt tokens over the time of their first steps), and for a
+    second plain engine its ratio to the first's with the interval (the noise floor of that rate)."""
+    passes = len(round_seconds) // len(rounds_of(len(prompt_ids), 1))
+    fields = {"prefill_tokens_per_second": round(passes * sum(map(len, prompt_ids)) / sum(round_seconds), 2)}
+    baseline = baselines.setdefault(exact, round_seconds)
+    if baseline is not round_seconds:
+        lo, hi = speedup_interval(baseline, round_seconds)
+        fields.update(prefill_speedup=round(sum(baseline) / sum(round_seconds), 3),
+                      prefill_speedup_interval=[round(lo, 3), round(hi, 3)])
+    return fields
 
 
 def _equal_to_plain(outputs: list[list[int]], baseline_outputs: list) -> str:
@@ -250,13 +272,16 @@ def _peer_runs(cfg: BenchConfig, llm: LLM, prompts: list[str], temperature: floa
 def peer_record(engine: str, row: dict, temperature: float, num_prompts: int, baseline) -> dict:
     """A peer's row as a record, its speedup against our plain decoding (`baseline`: its record and
     outputs): against our decode tok/s where the peer timed its decode only (row["timing"] ==
-    "decode", llama.cpp's own timings, prompt processing left out), else against our wall-time tok/s."""
+    "decode", llama.cpp's own timings, prompt processing left out), against our prompt processing
+    rate where it timed that alone (row["timing"] == "prefill", row["tokens"]: prompt tokens), else
+    against our wall-time tok/s."""
     tps = row["tokens"] / row["wall_seconds"]
-    decode_only = row.get("timing") == "decode" and baseline[0].get("decode_tokens_per_second")
-    ours = baseline[0]["decode_tokens_per_second" if decode_only else "tokens_per_second"]
+    phase = {"decode": "decode_tokens_per_second", "prefill": "prefill_tokens_per_second"}.get(row.get("timing"))
+    phase = phase if phase and baseline[0].get(phase) else None
+    ours = baseline[0][phase or "tokens_per_second"]
     return {"method": row["method"], "engine": engine, "config": None,
             **_timed(temperature, 1, num_prompts, row["tokens"], row["wall_seconds"]),
-            **({"decode_tokens_per_second": round(tps, 2)} if decode_only else {}),
+            **({phase: round(tps, 2)} if phase else {}),
             "speedup": round(tps / ours, 3),
             "outputs_equal_to_plain": _equal_to_plain(row["outputs"], baseline[1]),
             **{key: row[key] for key in ("spread", "acceptance_rate", "mean_acceptance_length") if key in row}}

@@ -169,9 +169,11 @@ def quantized_gguf(model_dir: Path, gguf_type: str, bin_dir: Path) -> Path:
 def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[str], prompt_ids: list[list[int]],
                          max_tokens: int, k: int, threads: int, quantization: str | None) -> list[dict]:
     """llama.cpp's own binaries, greedy, batch 1, at the weight precision matching ours:
-    - `llama-bench` plain decoding of max_tokens tokens at the prompts' mean context depth;
+    - `llama-bench` plain decoding of max_tokens tokens at the prompts' mean context depth, and its
+      prompt processing of a prompt of that mean length;
     - `llama-speculative-simple` per prompt with prompt lookup (ngram-simple) and with the draft model.
-    Rows report llama.cpp's own decode timing (model loading and prompt processing excluded)."""
+    Rows report llama.cpp's own timing of the phase they measure (model loading excluded; the decode
+    rows exclude prompt processing)."""
     import json
     import re
     import subprocess
@@ -181,13 +183,18 @@ def run_llama_cpp_native(model_dir: Path, draft_dir: Path | None, prompts: list[
     gguf_type = GGUF_TYPE[quantization.split("-")[0] if quantization else None]
     target = quantized_gguf(model_dir, gguf_type, bin_dir)
     depth = round(sum(len(p) for p in prompt_ids) / len(prompt_ids))
-    bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(target), "-t", str(threads), "-p", "0",
-                            "-n", str(max_tokens), "-d", str(depth), "-r", "5", "-o", "json"],
-                           check=True, capture_output=True, text=True, errors="replace")
-    result = json.loads(bench.stdout)[0]
-    rows = [{"method": f"llama.cpp {gguf_type} (llama-bench tg{max_tokens} @ d{depth})",
-             "tokens": max_tokens, "wall_seconds": max_tokens / result["avg_ts"], "outputs": None,
-             "spread": f"+-{result['stddev_ts']:.0f} tok/s", "timing": "decode"}]
+
+    def llama_bench(label: str, tokens: int, timing: str, *args: str) -> dict:
+        bench = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(target), "-t", str(threads), *args,
+                                "-r", "5", "-o", "json"], check=True, capture_output=True, text=True, errors="replace")
+        result = json.loads(bench.stdout)[0]
+        return {"method": f"llama.cpp {gguf_type} (llama-bench {label})", "tokens": tokens,
+                "wall_seconds": tokens / result["avg_ts"], "outputs": None,
+                "spread": f"+-{result['stddev_ts']:.0f} tok/s", "timing": timing}
+
+    rows = [llama_bench(f"tg{max_tokens} @ d{depth}", max_tokens, "decode", "-p", "0", "-n", str(max_tokens),
+                        "-d", str(depth)),
+            llama_bench(f"pp{depth}", depth, "prefill", "-p", str(depth), "-n", "0")]
     variants = [(f"llama.cpp {gguf_type} prompt-lookup k={k}", ["--spec-type", "ngram-simple"])]
     if draft_dir is not None and (draft_dir / "config.json").is_file():
         draft = quantized_gguf(draft_dir, gguf_type, bin_dir)

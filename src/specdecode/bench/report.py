@@ -23,10 +23,12 @@ def markdown_table(result: dict) -> str:
         "Speedup is against specdecode's plain decoding in the same run, for every row (peers included); "
         "in brackets its 90% bootstrap interval over the interleaved timing rounds. Drafted: draft tokens "
         "sent to verification in one pass over the prompts. tok/s: output tokens over wall time (prefill "
-        "included); decode tok/s (batch 1): tokens after the first over the time from first to last token. "
-        "Peers timed on their decode only (llama.cpp's binaries) are compared with plain decoding's decode tok/s.", "",
-        "| method | exact | T | concurrency | tok/s | decode tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | drafted | draft / verify time | = plain |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "included); decode tok/s (batch 1): tokens after the first over the time from first to last token; "
+        "prefill tok/s (batch 1, plain engines): prompt tokens over the time of each prompt's first step, run "
+        "alone (a second plain engine shows in brackets its ratio to the first's, the noise floor). "
+        "Peers timed on one phase only (llama.cpp's binaries) are compared with plain decoding's rate of that phase.", "",
+        "| method | exact | T | concurrency | tok/s | decode tok/s | prefill tok/s | speedup | acceptance rate | mean acc. length | per-position acceptance | drafted | draft / verify time | = plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     if any(r.get("exact") for r in result["runs"]):
         lines[2] += (" Exact rows are measured against exact mode's own plain decoding; the exact plain row "
@@ -42,11 +44,14 @@ def markdown_table(result: dict) -> str:
             speedup += " ({:.2f}-{:.2f})".format(*r["speedup_interval"])
         if "vs_exact_off" in r:
             speedup += " [{:.2f}x, {:.2f}-{:.2f}]".format(r["vs_exact_off"], *r["vs_exact_off_interval"])
+        prefill = "" if r.get("prefill_tokens_per_second") is None else format(r["prefill_tokens_per_second"], ".1f")
+        if "prefill_speedup" in r:
+            prefill += " ({:.2f}x, {:.2f}-{:.2f})".format(r["prefill_speedup"], *r["prefill_speedup_interval"])
         lines.append(
             f"| {r['method']} | {'on' if r.get('exact') else 'off'} | {r['temperature']} | {r['concurrency']} | "
             f"{r['tokens_per_second']:.1f} | "
             f"{'' if r.get('decode_tokens_per_second') is None else format(r['decode_tokens_per_second'], '.1f')} | "
-            f"{speedup} | {acceptance} | {length} | {per_pos} | {r.get('num_draft_tokens', '')} | {split} | "
+            f"{prefill} | {speedup} | {acceptance} | {length} | {per_pos} | {r.get('num_draft_tokens', '')} | {split} | "
             f"{r.get('outputs_equal_to_plain', '')} |")
     for engine, reason in result.get("peer_errors", {}).items():
         lines += ["", f"Peer {engine} did not run: {reason}"]

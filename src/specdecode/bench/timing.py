@@ -36,11 +36,12 @@ def rounds_of(num_prompts: int, concurrency: int) -> list[range]:
     return [range(i, min(i + size, num_prompts)) for i in range(0, num_prompts, size)]
 
 
-def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[SamplingParams], repeats: int,
-                        concurrency: int = 1, on_run=lambda: None) -> list[Measured]:
+def measure_interleaved(llms: list[LLM], prompts: list, params: list[SamplingParams], repeats: int,
+                        concurrency: int = 1, on_run=lambda: None, warm: bool = True) -> list[Measured]:
     """Time every engine on the same rounds of prompts, round by round: engines A, B, C on
-    round 1, then B, C, A on round 2, ... (`repeats` passes over all rounds)."""
-    for llm in llms:  # warm-up (allocations, caches, and with compile=True every kind of step compiled)
+    round 1, then B, C, A on round 2, ... (`repeats` passes over all rounds). warm=False: the
+    engines have run these prompts already (no warm-up)."""
+    for llm in llms if warm else []:  # warm-up (allocations, caches, and with compile=True every kind of step compiled)
         warm_up(llm, [prompts[i % len(prompts)] for i in range(max(1, concurrency))])
         # Every prompt's prefill once: oneDNN builds (and caches, process-wide) a primitive per new
         # matmul shape, which cost the first engine timed on a prompt length, and only it, that once.
@@ -61,6 +62,21 @@ def measure_interleaved(llms: list[LLM], prompts: list[str], params: list[Sampli
                 on_run()
             turn += 1
     return measured
+
+
+# Prompt processing passes per decode pass: one is ~1/50 of a decode pass at 128 new tokens, so more of
+# them keep its timing rounds from being a few tens of milliseconds each.
+PREFILL_PASSES = 4
+
+
+def measure_prefill(llms: list[LLM], prompt_ids: list[list[int]], repeats: int) -> list[Measured]:
+    """Prompt processing at batch 1: every prompt (as token ids: no tokenizer in the timing) run
+    for one token, one request at a time, in the interleaved rounds of `measure_interleaved`,
+    `PREFILL_PASSES` x `repeats` passes. What a round times is the engine's whole first step: the
+    prompt's forward, sampling its first token and the request's bookkeeping."""
+    one_token = [SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)] * len(prompt_ids)
+    return measure_interleaved(llms, [{"prompt_token_ids": ids} for ids in prompt_ids], one_token,
+                               PREFILL_PASSES * repeats, concurrency=1, warm=False)
 
 
 def decode_seconds(output) -> float:
