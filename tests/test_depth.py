@@ -163,6 +163,39 @@ def test_drafter_catch_up_is_priced_and_amortised():
     assert depth.draft_cost.per_step == ratio
 
 
+def test_a_policy_that_declines_without_a_catch_up_declines_with_one_without_pricing_it(monkeypatch):
+    """A catch-up only adds to every drafting depth's cost: where auto-k drafts nothing without one, it
+    drafts nothing with one, so a plan that declines does not price the catch-up again every step
+    (it grows every step nothing is drafted); where drafting pays, the catch-up is still priced."""
+    from specdecode.speculative.policy import controller
+
+    estimator = AcceptanceEstimator(4, prior=0.7)
+    for catch_up in (0.0, 0.001, 0.05, 1.0):
+        assert auto_k(LINEAR, 1, 4, estimator, 0.001, catch_up, remaining_tokens=10) == 0
+    affine = CostModel({1: {1: 0.012, 9: 0.028}}, 128)
+    assert [auto_k(affine, 1, 4, estimator, 0.0, c, remaining_tokens=10) for c in (0.0, 0.2)] == [3, 0]
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(args[6] if len(args) > 6 else kwargs.get("remaining_tokens"))
+        return auto_k(*args, **kwargs)
+
+    monkeypatch.setattr(controller, "auto_k", counted)
+
+    class Seq:
+        room = 100
+
+    for cost, drafts in ((LINEAR, False), (affine, True)):
+        config = SpeculativeConfig(method="mtp", num_speculative_tokens=4, draft_length_schedule="auto")
+        depth = DepthController(config, lambda: cost, draft_cost_prior=0.1)
+        calls.clear()
+        for pending in (10, 11, 12):  # behind by more every step
+            depth.plan([Seq()], [pending])
+        # Declining: only the depth without a catch-up, priced once until the live cost reprices.
+        assert len(calls) == (1 + 3 if drafts else 1)
+
+
 def test_a_catch_up_is_priced_by_what_catch_ups_measured():
     """The drafter's decode-step share of the target's forward priced a prompt's catch-up 4-6x
     too dear (traced: EAGLE-3 at batch 1); a proposal that caught up teaches the cost per token."""

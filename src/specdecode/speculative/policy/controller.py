@@ -194,11 +194,16 @@ class DepthController:
             catch_up = self._catch_up_seconds(extra, B)
             step = self.cost.step_time(B, B)
 
-            def depth() -> int:
-                return auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up,
+            def depth(catch_up_seconds: float) -> int:
+                return auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up_seconds,
                               remaining, draft_fixed=self.draft_cost.fixed * step)
 
-            k = depth() if extra else self._priced(("auto_k", B), depth)  # without a catch-up, `remaining` is moot
+            # Without a catch-up `remaining` is moot, so that depth is kept until the next reprice. A catch-up only
+            # adds to every drafting depth's cost, so where that depth is 0 (plain decoding wins) so is this one: a
+            # policy that declines skips pricing it (while nothing is drafted, the catch-up grows every step).
+            k = self._priced(("auto_k", B), lambda: depth(0.0))
+            if catch_up and k:
+                k = depth(catch_up)
             chosen = self.guard.choose(B, k, switch_steps=catch_up / step)
             if chosen > 0:
                 # Acceptance at a position is measured only where it is verified, and a width's cost only where
