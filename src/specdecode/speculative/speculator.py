@@ -180,8 +180,7 @@ class Speculator:
         """Sample as plain decoding does from logits [B, V], without the verifier's [B, k+1, V] work.
         The seeded rows still draw their k uniforms, so their random streams stay batch-independent."""
         skip_uniform_draws(self.k, sampling.generators, self.target.device)
-        # Greedy argmaxes straight to the host, as plain decoding reads them (the tensor route was ~30 us
-        # of host work a step at W4A8 batch 1 where D-Cut declined to draft, against ~5 us).
+        # The token as plain decoding samples it (`sample_host`: greedy argmaxes straight to the host).
         rows = [[token] for token in sample_host(logits, sampling)]
         zeros = self._empty_draft(len(rows)).num_tokens  # [B] int64 zeros, shared (read-only)
         return Verified(torch.tensor(rows, dtype=torch.long, device=logits.device), zeros, _host=(rows, [0] * len(rows)))
