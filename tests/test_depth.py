@@ -10,6 +10,7 @@ from specdecode.speculative.config import SpeculativeConfig
 from specdecode.speculative.policy.controller import DepthController, DraftStopRule, StepPlan
 from specdecode.speculative.policy.estimators import AcceptanceEstimator, DraftCost
 from specdecode.speculative.policy.rules import auto_k, dcut_lengths, expected_committed
+from specdecode.speculative.propose.proposer import Draft
 from specdecode.speculative.verify.chain import verify
 
 FREE_VERIFY = CostModel({1: {1: 0.01, 9: 0.01}, 64: {1: 0.01, 9: 0.01}}, 128)  # memory-bound: width is free
@@ -333,15 +334,19 @@ def test_acceptance_per_position_is_learned_only_from_drafts_the_stop_rule_did_n
     its earlier confidences were high: its acceptance there is a selected sample, and the rule's
     lookahead, priced with it, fed back on itself (traced at batch 1: position 1 at 19%, so drafts
     stopped after one token that was then accepted 87% of the time). Those steps calibrate the
-    confidence bins only; every 4th step the rule would shape drafts to the planned depth instead."""
+    confidence bins only; every 4th drafting step the rule would shape drafts to the planned depth instead
+    (the guard's plain steps in between draft nothing and are not counted)."""
     config = SpeculativeConfig(method="draft_model", num_speculative_tokens=4, verify_pruning="dcut")
     depth = DepthController(config, lambda: FREE_VERIFY, draft_cost_prior=0.01)
 
     class Seq:
         room = 100
 
-    plans = [depth.plan([Seq()], [1]) for _ in range(8)]
-    assert [p.prune_while_drafting for p in plans] == [True, True, True, False] * 2
+    plans = [depth.plan([Seq()], [1]) for _ in range(24)]
+    drafting = [p for p in plans if p.drafts][:8]
+    assert len(drafting) == 8 and not any(p.prune_while_drafting for p in plans if not p.drafts)
+    assert [p.prune_while_drafting for p in drafting] == [True, True, True, False] * 2
+    plans = drafting
     stopped, unstopped = plans[0], plans[3]
     rule = depth.draft_stop(stopped)
     assert depth.draft_stop(stopped) is rule and depth.draft_stop(unstopped) is None
@@ -461,7 +466,7 @@ def _run(confidence_of):
     lengths = torch.tensor(lengths)
     drafts = torch.where(torch.arange(2)[None, :] < lengths[:, None], drafts, -1)
     batch = SamplingBatch.build([SamplingParams(temperature=1.0)] * N, [None] * N, "cpu")
-    out = verify(drafts, lengths, q.expand(N, 2, V), target_logits.expand(N, 3, V), batch)
+    out = verify(Draft(drafts, lengths, q.expand(N, 2, V)), target_logits.expand(N, 3, V), batch)
     kept_second = (lengths == 2).float().mean().item()
     freq = torch.bincount(out.token_ids[:, 0], minlength=V).double() / N
     second = out.token_ids[out.num_accepted >= 1, 1]
@@ -745,7 +750,11 @@ def test_a_step_the_guard_declines_takes_the_lean_path_and_keeps_the_guard_and_l
     guard.sums[(1, True)] = [1.0, 1.0, 100]  # drafting measured at 1 token a second: it loses
     guard.sums[(1, False)] = [1.0, 1e-3, 100]
     guard.interval[1], guard.since[1] = 10_000, 0
-    assert depth.declines(1)
+
+    class Seq:
+        room = 100
+
+    assert depth.declines([Seq()])
     calls = []
     for name in ("plan", "update"):
         monkeypatch.setattr(depth, name, lambda *a, name=name, **k: calls.append(name))
@@ -759,6 +768,62 @@ def test_a_step_the_guard_declines_takes_the_lean_path_and_keeps_the_guard_and_l
     assert guard.decisions[1] == guard.since[1] == 23  # one decision a decoding step
     assert guard.sums[(1, False)][2] == 100 + 22  # the steady steps (the first one switched arms)
     assert depth.cost.factor(1) != level  # the live cost saw every step's forward
+
+
+def test_a_step_the_model_declines_takes_the_lean_path_unless_the_guard_explores(native_model, monkeypatch):
+    """Where the cost model's depth without a catch-up is 0 (it prices no drafting depth over plain
+    decoding) and the guard has no exploration due, the step is known to draft nothing before it is
+    planned: it skips `plan` and `update` like a step the guard declines (their bookkeeping was ~30 us
+    of a ~0.7 ms MTP D-Cut step at W4A8 that drafted nothing), prices the depth once per reprice, and
+    commits what plain decoding commits. A due exploration still plans (and drafts its burst)."""
+    from specdecode.speculative.policy import controller
+
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}]
+    plain = LLM(native_model, dtype="float32", max_num_seqs=1).generate(prompts, params)[0].token_ids
+    llm = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config={
+        "method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4, "draft_length_schedule": "auto"})
+    depth = llm.speculator.depth
+    depth.estimator.rate = [0.0] * 4  # nothing accepted: no depth beats plain decoding
+    depth.estimator.observed = [True] * 4
+    guard = depth.guard
+    guard.sums[(1, True)] = [3.0, 1.0, 100]  # drafting measured faster: the guard does not decline
+    guard.sums[(1, False)] = [1.0, 1.0, 100]
+    guard.interval[1], guard.since[1] = 20, 0  # an exploration at the 20th decision (the next 32 after it)
+    priced, planned = [], []
+    monkeypatch.setattr(controller, "auto_k", lambda *a, **k: priced.append(a) or 0)
+    plan = depth.plan
+    monkeypatch.setattr(depth, "plan", lambda *a, **k: planned.append(guard.decisions.get(1, 0) + 1) or plan(*a, **k))
+    out = [o for o in llm.generate(prompts, params)][0].token_ids
+    assert out == plain
+    assert planned == [20, 21, 22, 23]  # the exploration: a burst of `burst` drafting steps
+    assert guard.decisions[1] == 39  # one decision a decoding step, planned or not
+    assert len(priced) <= 39 // depth.reprice_every + 2  # the lean steps' depth, once per reprice
+
+
+def test_a_guard_with_no_exploration_due_chooses_zero_for_a_declined_depth_whatever_the_switch_costs():
+    """`exploration_due` is what lets a declined step skip planning: where it is False, `choose(B, 0)`
+    returns 0 and leaves the guard as it would with any `switch_steps` (the catch-up the plan would
+    have priced), in every state a run of decisions and measurements reaches."""
+    import copy
+    import random
+
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    rng = random.Random(0)
+    guard = MeasuredGuard(k_max=4, explore_every=4, max_interval=32, min_samples=2)
+    checked = 0
+    for _ in range(3000):
+        B = rng.choice([1, 2, 3])
+        if rng.random() < 0.5:
+            guard.observe(B, drafted=rng.random() < 0.5, tokens=rng.randint(1, 5), seconds=rng.uniform(0.5, 1.5))
+        if not guard.exploration_due(B):
+            cheap, dear = copy.deepcopy(guard), copy.deepcopy(guard)
+            assert cheap.choose(B, 0, switch_steps=0.0) == dear.choose(B, 0, switch_steps=1e9) == 0
+            assert vars(cheap) == vars(dear)
+            checked += 1
+        guard.choose(B, rng.choice([0, 0, 2, 4]), switch_steps=rng.choice([0.0, 5.0]))
+    assert checked > 500
 
 
 def test_every_32nd_drafting_plan_drafts_to_k_and_d_cut_verifies_it_whole():

@@ -27,6 +27,7 @@ from specdecode.exact.noise import keyed_exponential, keyed_uniform, seed_key
 from specdecode.exact.rows import probe_row_tiling
 from specdecode.models.llama import RowTiling
 from specdecode.sampling import SamplingBatch
+from specdecode.speculative.propose.proposer import Draft
 from specdecode.speculative.verify.chain import verify
 
 # ---- keyed noise ---------------------------------------------------------------------------
@@ -248,7 +249,7 @@ def _first_tokens(p: torch.Tensor, q: torch.Tensor, trials: int, trust_drafter: 
     if trust_drafter:
         return drafts
     logits = torch.log(p)[None, None].expand(trials, 2, V).clone()
-    out = verify(drafts[:, None], torch.ones(trials, dtype=torch.long), None, logits, batch)
+    out = verify(Draft(drafts[:, None], torch.ones(trials, dtype=torch.long)), logits, batch)
     return out.token_ids[:, 0]
 
 

@@ -12,6 +12,7 @@ from specdecode import LLM, SamplingParams, SpeculativeConfig
 from specdecode.errors import ConfigError, TokenizerMismatchError
 from specdecode.sampling import SamplingBatch, inverse_cdf, process_logits, sample
 from specdecode.speculative.propose.drafters.ngram.proposer import NgramIndex
+from specdecode.speculative.propose.proposer import Draft
 from specdecode.speculative.verify.chain import verify
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -237,7 +238,7 @@ def test_rejection_sampling_reproduces_target_distribution(filters):
     torch.manual_seed(0)
     target_logits, p, q, batch = _setup(**filters)
     drafts = torch.stack([torch.multinomial(q[i], N, replacement=True) for i in range(2)], dim=1)  # [N, 2] x ~ q
-    out = verify(drafts, torch.full((N,), 2), q.expand(N, 2, V), target_logits, batch)
+    out = verify(Draft(drafts, torch.full((N,), 2), q.expand(N, 2, V)), target_logits, batch)
     assert 0.5 * (p[0] - q[0]).abs().sum() > 0.1  # drafter and target really differ
     _check_distribution(out, p)
     # Acceptance of the first draft is 1 - TV(p, q).
@@ -250,10 +251,10 @@ def test_one_hot_drafts_reproduce_target_distribution(filters):
     target_logits, p, q, batch = _setup(seed=3, **filters)
     # Deterministic drafter: always the target's second choice, so accept and reject both happen.
     drafts = p[:2].argsort(dim=-1, descending=True)[:, 1][None, :].expand(N, 2)
-    out = verify(drafts, torch.full((N,), 2), None, target_logits, batch)
+    out = verify(Draft(drafts, torch.full((N,), 2)), target_logits, batch)
     _check_distribution(out, p)
     # Plugging a softmax q in for tokens chosen deterministically is NOT exact: it must show.
-    wrong = verify(drafts, torch.full((N,), 2), q.expand(N, 2, V), target_logits, batch)
+    wrong = verify(Draft(drafts, torch.full((N,), 2), q.expand(N, 2, V)), target_logits, batch)
     assert _tv(wrong.token_ids[:, 0], p[0]) > 0.03
 
 
@@ -263,7 +264,7 @@ def test_ragged_rows_and_greedy_rows_in_one_batch():
     argmax = logits.argmax(-1)
     drafts = torch.stack([argmax[0, :3], torch.tensor([argmax[1, 0], (argmax[1, 1] + 1) % 10, 0]), torch.tensor([5, -1, -1])])
     batch = SamplingBatch.build([SamplingParams(temperature=0)] * 3, [None] * 3, "cpu")
-    out = verify(drafts, torch.tensor([3, 3, 0]), None, logits, batch)
+    out = verify(Draft(drafts, torch.tensor([3, 3, 0])), logits, batch)
     assert out.num_accepted.tolist() == [3, 1, 0]
     assert out.token_ids[0].tolist() == argmax[0].tolist()  # all accepted + bonus
     assert out.token_ids[1].tolist() == [argmax[1, 0].item(), argmax[1, 1].item(), -1, -1]  # recovered at 1
@@ -277,7 +278,7 @@ def test_seeded_verification_is_reproducible():
     for _ in range(2):
         gens = [torch.Generator().manual_seed(i) for i in range(8)]
         batch = SamplingBatch.build([SamplingParams(temperature=1.0)] * 8, gens, "cpu")
-        runs.append(verify(drafts, torch.full((8,), 2), q.expand(8, 2, V), target_logits[:8], batch).token_ids)
+        runs.append(verify(Draft(drafts, torch.full((8,), 2), q.expand(8, 2, V)), target_logits[:8], batch).token_ids)
     assert torch.equal(runs[0], runs[1])
 
 
@@ -294,10 +295,10 @@ def test_one_sampled_row_verifies_as_a_batch_does(filters, one_hot):
         num, g = seed % 3, torch.Generator().manual_seed(seed)
         source = p if one_hot else q  # (a one-hot drafter's tokens from p: ones the target may take)
         drafts = torch.stack([torch.multinomial(source[i], 1, generator=g) for i in range(2)], dim=1)  # [1, 2]
-        alone = verify(drafts, torch.tensor([num]), None if one_hot else q[None], target_logits[:1],
+        alone = verify(Draft(drafts, torch.tensor([num]), None if one_hot else q[None]), target_logits[:1],
                        SamplingBatch.build([params], [torch.Generator().manual_seed(seed)], "cpu"))
         batch = SamplingBatch.build([params] * 2, [torch.Generator().manual_seed(seed) for _ in range(2)], "cpu")
-        pair = verify(drafts.expand(2, 2), torch.tensor([num, num]), None if one_hot else q.expand(2, 2, V),
+        pair = verify(Draft(drafts.expand(2, 2), torch.tensor([num, num]), None if one_hot else q.expand(2, 2, V)),
                       target_logits[:2], batch)
         assert alone.host() == ([pair.host()[0][0]], [pair.host()[1][0]]), seed
         assert torch.equal(alone.token_ids[0], pair.token_ids[0]) and torch.equal(alone.num_accepted, pair.num_accepted[:1])

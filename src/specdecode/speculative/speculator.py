@@ -106,7 +106,7 @@ class Speculator:
             raise
 
     def _step(self, seqs: list[Sequence], sampling: SamplingBatch) -> StepOutput:
-        if self.proposer.max_tree_depth == 0 and self.depth.declines(len(seqs)):
+        if self.proposer.max_tree_depth == 0 and self.depth.declines(seqs):
             return self._step_without_draft(seqs, sampling, None)
         plan = self.depth.plan(seqs, [self.proposer.pending_tokens(s) for s in seqs])
         if not plan.drafts and self.proposer.max_tree_depth == 0:
@@ -116,23 +116,21 @@ class Speculator:
         t0 = time.perf_counter()
         if plan.drafts:
             draft = self.proposer.propose(seqs, plan.max_tokens, sampling, stop=self.depth.draft_stop(plan))
-            num_tokens = draft.num_tokens.tolist()
+            num_tokens = draft.host()[1]
             num_draft_steps = max(num_tokens)
             if draft.parents is None:  # n_min and D-Cut shape chains; trees come shaped by their drafter
-                confidence = draft.confidence.tolist() if draft.confidence is not None else None
-                limits = self.depth.verify_lengths(seqs, num_tokens, confidence, plan)
+                limits = self.depth.verify_lengths(seqs, num_tokens, draft.confidence_host(), plan)
                 if any(limit < n for limit, n in zip(limits, num_tokens)):  # else it keeps every draft
                     draft = draft.truncate(limits, num_tokens)
                 if sampling.constrained:  # a draft ends before the first token its grammar forbids
-                    kept, grammar = constrain_chain(sampling.grammars, draft.token_ids.tolist(),
-                                                    draft.num_tokens.tolist(), self.k + 1, self.vocab_size)
+                    kept, grammar = constrain_chain(sampling.grammars, *draft.host(), self.k + 1, self.vocab_size)
                     draft = draft.truncate(kept)
         else:
             # A tree engine verifies through the tree walk even when nobody drafted: each seeded row's
             # random draws per step are then the same whatever the rest of the batch drafted.
             draft = Draft.empty(len(seqs), self.target.device, tree=self.proposer.max_tree_depth > 0)
             num_draft_steps = 0
-        num_draft = draft.num_tokens.tolist()  # one host sync: entry lengths are host-side
+        num_draft = draft.host()[1]  # entry lengths are host-side
         t1 = time.perf_counter()
 
         if draft.parents is not None:
@@ -146,8 +144,8 @@ class Speculator:
         t2 = time.perf_counter()
 
         confidence_host = None
-        if self.depth.tracks_confidence and draft.confidence is not None and max(num_draft) > 0:
-            confidence_host = draft.confidence.tolist()
+        if self.depth.tracks_confidence and max(num_draft) > 0:
+            confidence_host = draft.confidence_host()
         self.depth.update(plan, seqs, num_draft, num_accepted, t1 - t0, num_draft_steps, confidence_host,
                           time.perf_counter() - t0)
         self.proposer.on_commit(seqs, draft, verified, result)  # last: the drafter commits once nothing can fail
@@ -163,7 +161,7 @@ class Speculator:
         t0 = time.perf_counter()
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
-        verified = self._sample_without_draft(result.logits[:, 0], sampling)
+        verified = self._sample_without_draft(result, sampling)
         tokens, num_accepted = verified.host()
         logprobs = self._committed_logprobs(seqs, sampling, result.logits, sampling, tokens, num_accepted, None)
         seconds = time.perf_counter() - t0
@@ -176,14 +174,14 @@ class Speculator:
         return StepOutput(seqs, [list(row) for row in tokens], [1] * len(seqs), num_draft=num_draft,
                           num_accepted=list(num_accepted), draft_seconds=0.0, verify_seconds=seconds, logprobs=logprobs)
 
-    def _sample_without_draft(self, logits: torch.Tensor, sampling: SamplingBatch) -> Verified:
-        """Sample as plain decoding does from logits [B, V], without the verifier's [B, k+1, V] work.
-        The seeded rows still draw their k uniforms, so their random streams stay batch-independent."""
+    def _sample_without_draft(self, result: ForwardResult, sampling: SamplingBatch) -> Verified:
+        """Sample as plain decoding does from the logits at each entry's first row, without the
+        verifier's [B, k+1, V] work. The seeded rows still draw their k uniforms, so their random
+        streams stay batch-independent."""
         skip_uniform_draws(self.k, sampling.generators, self.target.device)
         # The token as plain decoding samples it (`sample_host`: greedy argmaxes straight to the host).
-        rows = [[token] for token in sample_host(logits, sampling)]
-        zeros = self._empty_draft(len(rows)).num_tokens  # [B] int64 zeros, shared (read-only)
-        return Verified(torch.tensor(rows, dtype=torch.long, device=logits.device), zeros, _host=(rows, [0] * len(rows)))
+        rows = [[token] for token in sample_host(result.logits[:, 0], sampling)]
+        return Verified.from_host(rows, [0] * len(rows), result.logits.device)
 
     def _empty_draft(self, batch_size: int) -> Draft:
         draft = self._empty_drafts.get(batch_size)
@@ -191,15 +189,16 @@ class Speculator:
             draft = self._empty_drafts[batch_size] = Draft.empty(batch_size, self.target.device)
         return draft
 
-    def _position_rows(self, sampling: SamplingBatch, token_ids: torch.Tensor, parents: torch.Tensor | None,
-                       grammar: RowMasks | None) -> SamplingBatch | None:
+    def _position_rows(self, sampling: SamplingBatch, draft: Draft, grammar: RowMasks | None) -> SamplingBatch | None:
         """One sampling row per verification position [root, drafts...] of every sequence, with the
         draft tokens before it as context and its grammar mask; None when no row is adjusted or
         constrained (the verifier then repeats rows itself where it samples)."""
         if sampling.adjust is None and grammar is None:
             return None
+        token_ids = draft.token_ids
         B, width = token_ids.shape[0], token_ids.shape[1] + 1
-        context = path_tokens(token_ids, parents).view(B * width, width - 1) if sampling.adjust is not None else None
+        context = (path_tokens(token_ids, draft.parents).view(B * width, width - 1) if sampling.adjust is not None
+                   else None)
         return sampling.repeat_rows([width] * B).with_context(context, grammar)
 
     def _committed_logprobs(self, seqs, sampling: SamplingBatch, logits: torch.Tensor, rows: SamplingBatch | None,
@@ -234,22 +233,22 @@ class Speculator:
     def _verify_chain(self, seqs, draft: Draft, num_draft: list[int], sampling: SamplingBatch,
                       grammar: RowMasks | None):
         """(forward result, Verified, logits [B, W, V] at the verification positions, their rows)."""
-        drafts_host = draft.token_ids.tolist()
+        drafts_host = draft.host()[0]
         entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
                                 num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
         result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
         if max(num_draft) == 0:  # nothing to verify (the drafter proposed nothing)
-            return result, self._sample_without_draft(result.logits[:, 0], sampling), result.logits[:, :1], sampling
+            return result, self._sample_without_draft(result, sampling), result.logits[:, :1], sampling
         draft = draft.pad_to(self.k)  # fixed width k: per-request random draws never depend on the batch
-        rows = self._position_rows(sampling, draft.token_ids, None, grammar)
+        rows = self._position_rows(sampling, draft, grammar)
         # An all-greedy batch without adjustments compares argmaxes over the drafted positions only
         # (padding the logits to k + 1 cost 6-11 us a step, and the argmax read the padding too).
         logits = result.logits if rows is None and sampling.all_greedy else _pad_logits(result.logits, self.k + 1)
-        return result, verify(draft.token_ids, draft.num_tokens, draft.probs, logits, sampling, rows), logits, rows
+        return result, verify(draft, logits, sampling, rows), logits, rows
 
     def _verify_tree(self, seqs, draft: Draft, num_nodes: list[int], limits: list[int], sampling: SamplingBatch):
         draft = draft.truncate(num_nodes)  # nodes past a row's count must never match in the walk
-        tokens, parents = draft.token_ids.tolist(), draft.parents.tolist()
+        tokens, parents = draft.host()[0], draft.parents.tolist()
         entries, too_big, tree_depths = [], [], []
         for b, s in enumerate(seqs):
             nodes = parents[b][: num_nodes[b]]
@@ -273,7 +272,7 @@ class Speculator:
                 [[-2] * width if b in dropped else p for b, p in enumerate(parents)], width + 1, self.vocab_size)
             token_ids = torch.tensor(walked, dtype=torch.long, device=token_ids.device).view(len(seqs), width)
         logits = _pad_logits(result.logits, width + 1)
-        rows = self._position_rows(sampling, draft.token_ids, draft.parents, grammar)
+        rows = self._position_rows(sampling, draft, grammar)
         verified, path = verify_tree(token_ids, draft.parents, logits, sampling, self.proposer.max_tree_depth, rows)
         device = self.target.device
         compact_accepted(self.target.runner.kv_cache, torch.tensor([s.slot for s in seqs], device=device),

@@ -173,11 +173,28 @@ class DepthController:
     def needs_cost_model(self) -> bool:
         return self.schedule == "auto" or self.pruning == "dcut"
 
-    def declines(self, batch_size: int) -> bool:
-        """Whether this step decodes without drafting whatever the policy would price: the guard has
-        measured drafting slower at this batch size and no re-measurement is due. Such a step takes
-        the speculator's lean path (`observe_declined`, not `plan` / `update`)."""
-        return (self.schedule == "auto" or self.pruning == "dcut") and self.guard.declines(batch_size)
+    def declines(self, seqs: list[Sequence]) -> bool:
+        """Whether this step decodes without drafting, known before planning it: the guard has measured
+        drafting slower at this batch size, or the cost model's depth without a catch-up is 0 (a catch-up
+        only adds cost) and the guard will not explore; either way with no re-measurement due. Such a
+        step takes the speculator's lean path (`observe_declined`, not `plan` / `update`: the policy's
+        bookkeeping of a planned step nobody drafted in was ~30 us of a ~0.7 ms MTP D-Cut step at W4A8,
+        batch 1, on the ~95% of steps where the model declined)."""
+        if not (self.schedule == "auto" or self.pruning == "dcut"):
+            return False
+        B = len(seqs)
+        return self.guard.declines(B) or (not self.guard.exploration_due(B) and self._depth_without_catch_up(seqs) == 0)
+
+    def _depth_without_catch_up(self, seqs: list[Sequence]) -> int:
+        """auto_k's depth for this batch without a catch-up (kept until the live cost reprices: it depends
+        on past steps and the batch size alone; without a catch-up `remaining` is moot)."""
+        B = len(seqs)
+        return self._priced(("auto_k", B), lambda: self._auto_k(B, sum(seq.room for seq in seqs) / B, 0.0))
+
+    def _auto_k(self, B: int, remaining: float, catch_up_seconds: float) -> int:
+        step = self.cost.step_time(B, B)
+        return auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up_seconds,
+                      remaining, draft_fixed=self.draft_cost.fixed * step)
 
     def plan(self, seqs: list[Sequence], pending: list[int]) -> StepPlan:
         """This step's draft limits per sequence (also bounded by its remaining room: a step
@@ -185,26 +202,19 @@ class DepthController:
         committed tokens the drafter must consume before drafting for sequence b."""
         catching_up = prune = whole = False
         extra = 0
-        if self.declines(len(seqs)):
+        if self.guard.declines(len(seqs)):  # tree proposers plan such steps too (the speculator's lean path is chains')
             per_seq = [self.guard.choose(len(seqs), 0)] * len(seqs)  # 0: nothing to price
         elif self.schedule == "auto" or self.pruning == "dcut":  # D-Cut sizes the draft first, then prunes it
             B = len(seqs)
-            remaining = sum(seq.room for seq in seqs) / B
             extra = self.catch_up_tokens(pending)
             catch_up = self._catch_up_seconds(extra, B)
-            step = self.cost.step_time(B, B)
-
-            def depth(catch_up_seconds: float) -> int:
-                return auto_k(self.cost, B, self.k, self.estimator, self.draft_cost.per_step * step, catch_up_seconds,
-                              remaining, draft_fixed=self.draft_cost.fixed * step)
-
-            # Without a catch-up `remaining` is moot, so that depth is kept until the next reprice. A catch-up only
-            # adds to every drafting depth's cost, so where that depth is 0 (plain decoding wins) so is this one: a
-            # policy that declines skips pricing it (while nothing is drafted, the catch-up grows every step).
-            k = self._priced(("auto_k", B), lambda: depth(0.0))
+            # A catch-up only adds to every drafting depth's cost, so where the depth without one is 0 (plain
+            # decoding wins) so is this one: a policy that declines skips pricing it (while nothing is drafted,
+            # the catch-up grows every step).
+            k = self._depth_without_catch_up(seqs)
             if catch_up and k:
-                k = depth(catch_up)
-            chosen = self.guard.choose(B, k, switch_steps=catch_up / step)
+                k = self._auto_k(B, sum(seq.room for seq in seqs) / B, catch_up)
+            chosen = self.guard.choose(B, k, switch_steps=catch_up / self.cost.step_time(B, B))
             if chosen > 0:
                 # Acceptance at a position is measured only where it is verified, and a width's cost only where
                 # it is run: a policy that drafts shallow on its estimates never corrects them (traced at W4A8,
@@ -217,7 +227,7 @@ class DepthController:
                     chosen, whole = self.k, True
             catching_up = chosen > 0 and catch_up > 0
             # A guard probe (deeper than chosen) measures acceptance: drafting must not stop it early.
-            prune = self.pruning == "dcut" and chosen <= k
+            prune = self.pruning == "dcut" and 0 < chosen <= k
             if prune:
                 self._stoppable_plans += 1
                 prune = self._stoppable_plans % self.unstopped_every != 0

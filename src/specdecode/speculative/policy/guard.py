@@ -90,8 +90,18 @@ class MeasuredGuard:
         """Whether the next `choose` in this bucket returns 0 whatever k is: drafting measured
         slower and neither a burst nor an exploration is due (the policy need not price a draft)."""
         bucket = batch_size.bit_length()
-        return (self.loses(bucket) and self.burst_left.get(bucket, 0) == 0
-                and self.since.get(bucket, 0) + 1 < self.interval.get(bucket, self.explore_every))
+        return self.loses(bucket) and self.burst_left.get(bucket, 0) == 0 and not self.exploration_due(batch_size)
+
+    def exploration_due(self, batch_size: int) -> bool:
+        """Whether the next `choose` in this bucket may take the other arm: a drafting burst goes on or
+        an exploration is due. When not, `choose(batch_size, 0)` returns 0 whatever `switch_steps` is."""
+        bucket = batch_size.bit_length()
+        if self.burst_left.get(bucket, 0) > 0 and self.burst_drafts[bucket]:
+            return True
+        interval = self.interval.get(bucket, self.explore_every)
+        if not self.verdict_now(bucket)[0]:
+            interval = min(interval, self.first_explore)
+        return self.since.get(bucket, 0) + 1 >= interval
 
     def choose(self, batch_size: int, k: int, switch_steps: float = 0.0) -> int:
         """The draft length to use when the policy chose k. `switch_steps`: what drafting now

@@ -46,8 +46,8 @@ class ChainDraft:
         batch_size, k = len(max_tokens), max(max_tokens, default=0)
         self.max_tokens = max_tokens
         self._uniforms: dict[int, list[float]] = {}  # row -> its max_tokens[row] uniforms (sampled rows)
-        # Tokens and confidences are kept on the host (what every step reads back anyway) and made
-        # tensors once, by `result`: [B][k], -1 / 0.0 where a row drafted nothing.
+        # Tokens and confidences are kept on the host (what the speculator reads) and handed over as
+        # they are (`result`): [B][k], -1 / 0.0 where a row drafted nothing.
         self.tokens = [[-1] * k for _ in range(batch_size)]
         self.confidences = [[0.0] * k for _ in range(batch_size)]
         # [B, k, V], made by the first step that needs it: an all-greedy batch verifies by token
@@ -152,7 +152,4 @@ class ChainDraft:
         return still
 
     def result(self) -> Draft:
-        B, k, _ = self.shape
-        return Draft(torch.tensor(self.tokens, dtype=torch.long, device=self.device).reshape(B, k),
-                     torch.tensor(self.num, device=self.device), self.probs,
-                     torch.tensor(self.confidences, device=self.device).reshape(B, k))
+        return Draft.from_host(self.tokens, self.num, self.device, self.probs, self.confidences)

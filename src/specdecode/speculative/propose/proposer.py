@@ -32,13 +32,72 @@ if TYPE_CHECKING:
 DraftStop = Callable[[int, list[list[float]], list[int]], list[int]]
 
 
-@dataclasses.dataclass(slots=True)
 class Draft:
-    token_ids: torch.Tensor  # [B, k] int64, padded with -1
-    num_tokens: torch.Tensor  # [B] int64 drafts per sequence (0 = decode normally this step)
-    probs: torch.Tensor | None = None  # [B, k, V] processed draft distribution q; None = one-hot drafts
-    confidence: torch.Tensor | None = None  # [B, k] drafter's estimate that each token is accepted
-    parents: torch.Tensor | None = None  # [B, k] tree drafts: parent node (-1 root, -2 padding); None = chain
+    """A step's draft. Chain drafters (n-gram, `ChainDraft`) make it on the host (`from_host`): its
+    tensors are then built only where something asks for them (the greedy rule, entry building and
+    the depth policy read the host lists; building the three tensors and reading them back was
+    ~40 us of a W4A8 MTP step's host work at batch 1, paid cold after the drafting call)."""
+
+    __slots__ = ("_token_ids", "_num_tokens", "probs", "_confidence", "parents", "_host", "_device")
+
+    def __init__(self, token_ids: torch.Tensor, num_tokens: torch.Tensor, probs: torch.Tensor | None = None,
+                 confidence: torch.Tensor | None = None, parents: torch.Tensor | None = None):
+        self._token_ids = token_ids  # [B, k] int64, padded with -1
+        self._num_tokens = num_tokens  # [B] int64 drafts per sequence (0 = decode normally this step)
+        self.probs = probs  # [B, k, V] processed draft distribution q; None = one-hot drafts
+        self._confidence = confidence  # [B, k] drafter's estimate that each token is accepted
+        self.parents = parents  # [B, k] tree drafts: parent node (-1 root, -2 padding); None = chain
+        # (token_ids, num_tokens, confidence or None) as host lists, once read or as made
+        self._host: tuple[list[list[int]], list[int], list[list[float]] | None] | None = None
+        self._device = num_tokens.device
+
+    @classmethod
+    def from_host(cls, token_ids: list[list[int]], num_tokens: list[int], device, probs: torch.Tensor | None = None,
+                  confidence: list[list[float]] | None = None) -> "Draft":
+        """A chain draft from host lists: token_ids [B][k] (-1 padded), confidence [B][k] or None."""
+        draft = cls.__new__(cls)
+        draft._token_ids = draft._num_tokens = draft._confidence = draft.parents = None
+        draft.probs, draft._host, draft._device = probs, (token_ids, num_tokens, confidence), device
+        return draft
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        if self._token_ids is None:
+            tokens = self._host[0]
+            self._token_ids = torch.tensor(tokens, dtype=torch.long, device=self._device).view(
+                len(tokens), len(tokens[0]) if tokens else 0)
+        return self._token_ids
+
+    @property
+    def num_tokens(self) -> torch.Tensor:
+        if self._num_tokens is None:
+            self._num_tokens = torch.tensor(self._host[1], dtype=torch.long, device=self._device)
+        return self._num_tokens
+
+    @property
+    def confidence(self) -> torch.Tensor | None:
+        if self._confidence is None and self._host is not None and self._host[2] is not None:
+            self._confidence = torch.tensor(self._host[2], device=self._device).view(self.token_ids.shape)
+        return self._confidence
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(B, k): sequences, draft width."""
+        if self._token_ids is not None:
+            return self._token_ids.shape[0], self._token_ids.shape[1]
+        tokens = self._host[0]
+        return len(tokens), len(tokens[0]) if tokens else 0
+
+    def host(self) -> tuple[list[list[int]], list[int]]:
+        """(token_ids, num_tokens) as host lists (read back once where the draft was made as tensors)."""
+        if self._host is None:
+            confidence = self._confidence.tolist() if self._confidence is not None else None
+            self._host = (self._token_ids.tolist(), self._num_tokens.tolist(), confidence)
+        return self._host[0], self._host[1]
+
+    def confidence_host(self) -> list[list[float]] | None:
+        self.host()
+        return self._host[2]
 
     @classmethod
     def empty(cls, batch_size: int, device, tree: bool = False) -> "Draft":
@@ -50,9 +109,16 @@ class Draft:
 
     def truncate(self, limits: list[int], num_tokens: list[int] | None = None) -> "Draft":
         """Keep at most limits[b] tokens (tree: nodes) of sequence b; what is kept is unchanged.
-        `num_tokens`: the rows' lengths on the host, where at hand. A one-row chain is then cut by
-        views, with nothing to mask (the masked cut's ~7 tensor ops were ~30 us of a W4A8 step at
-        batch 1; one row's columns stay contiguous)."""
+        A chain made on the host is cut on the host; `num_tokens`: the rows' lengths on the host,
+        where at hand. A one-row chain is then cut by views, with nothing to mask (the masked cut's
+        ~7 tensor ops were ~30 us of a W4A8 step at batch 1; one row's columns stay contiguous)."""
+        if self._token_ids is None:  # made on the host
+            tokens, num, confidence = self._host
+            kept = [min(n, limit) for n, limit in zip(num, limits)]
+            k = max(kept, default=0)
+            return Draft.from_host([row[:n] + [-1] * (k - n) for row, n in zip(tokens, kept)], kept, self._device,
+                                   self.probs[:, :k] if self.probs is not None else None,
+                                   None if confidence is None else [row[:k] for row in confidence])
         if num_tokens is not None and self.parents is None and len(limits) == 1:
             k = min(num_tokens[0], limits[0])
             return Draft(self.token_ids[:, :k], torch.full_like(self.num_tokens, k),
@@ -74,6 +140,14 @@ class Draft:
 
     def pad_to(self, k: int) -> "Draft":
         """The same draft at width k (padding: -1 tokens, zero probabilities and confidences)."""
+        if self._token_ids is None:  # made on the host
+            tokens, num, confidence = self._host
+            pad = k - (len(tokens[0]) if tokens else 0)
+            if pad == 0:
+                return self
+            probs = None if self.probs is None else torch.nn.functional.pad(self.probs, (0, 0, 0, pad))
+            return Draft.from_host([row + [-1] * pad for row in tokens], num, self._device, probs,
+                                   None if confidence is None else [row + [0.0] * pad for row in confidence])
         pad = k - self.token_ids.shape[1]
         if pad == 0:
             return self

@@ -32,26 +32,56 @@ tokens: every row b has its own num_draft[b] <= k.
 
 from __future__ import annotations
 
-import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdecode.sampling import (SamplingBatch, adjust_logits, argmax, argmax_host, inverse_cdf, native_sampling,
                                  process_logits, race_noise, uniform_draws)
 
+if TYPE_CHECKING:
+    from specdecode.speculative.propose.proposer import Draft
 
-@dataclasses.dataclass(slots=True)
+
 class Verified:
-    token_ids: torch.Tensor  # [B, k + 1] committed tokens per row, padded with -1
-    num_accepted: torch.Tensor  # [B] accepted draft tokens; row b commits num_accepted[b] + 1 tokens
-    path: torch.Tensor | None = None  # [B, depth] trees: accepted node indices along the path, -1 padded
-    _host: tuple[list[list[int]], list[int]] | None = None  # (token_ids, num_accepted) as lists, read once
+    """One step's verification result. The greedy rule and the step without a draft make it on the
+    host (`from_host`); its tensors are then built only if something asks for them (nothing on the
+    engine's path does: building them was ~3.5 us a tensor, 7 us of every greedy step at batch 1)."""
+
+    __slots__ = ("_token_ids", "_num_accepted", "path", "_host", "_device")
+
+    def __init__(self, token_ids: torch.Tensor, num_accepted: torch.Tensor, path: torch.Tensor | None = None):
+        self._token_ids = token_ids  # [B, k + 1] committed tokens per row, padded with -1
+        self._num_accepted = num_accepted  # [B] accepted draft tokens; row b commits num_accepted[b] + 1 tokens
+        self.path = path  # [B, depth] trees: accepted node indices along the path, -1 padded
+        self._host: tuple[list[list[int]], list[int]] | None = None  # (token_ids, num_accepted) as lists
+        self._device = token_ids.device
+
+    @classmethod
+    def from_host(cls, token_ids: list[list[int]], num_accepted: list[int], device) -> "Verified":
+        """From host lists (rows padded with -1 to one width)."""
+        verified = cls.__new__(cls)
+        verified._token_ids = verified._num_accepted = verified.path = None
+        verified._host, verified._device = (token_ids, num_accepted), device
+        return verified
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        if self._token_ids is None:
+            self._token_ids = torch.tensor(self._host[0], dtype=torch.long, device=self._device)
+        return self._token_ids
+
+    @property
+    def num_accepted(self) -> torch.Tensor:
+        if self._num_accepted is None:
+            self._num_accepted = torch.tensor(self._host[1], dtype=torch.long, device=self._device)
+        return self._num_accepted
 
     def host(self) -> tuple[list[list[int]], list[int]]:
         """(token_ids, num_accepted) as host lists: the speculator and every proposer's commit read
         them, so they are read back once (the greedy rule makes them on the host to begin with)."""
         if self._host is None:
-            self._host = (self.token_ids.tolist(), self.num_accepted.tolist())
+            self._host = (self._token_ids.tolist(), self._num_accepted.tolist())
         return self._host
 
 
@@ -66,24 +96,24 @@ def skip_uniform_draws(cols: int, generators: list[torch.Generator | None], devi
 
 
 def verify(
-    draft_token_ids: torch.Tensor,  # [B, k] int64, -1 padded
-    num_draft: torch.Tensor,  # [B] int64
-    draft_probs: torch.Tensor | None,  # [B, k, V] processed q, or None for one-hot drafts
+    draft: Draft,  # token_ids [B, k] int64 (-1 padded), num_tokens [B], probs [B, k, V] processed q or None (one-hot)
     # [B, k + 1, V] float32 at [last token, x_1 .. x_k]; an all-greedy batch without `rows` may pass fewer
     # positions, at least 1 + max(num_draft) (the positions past a row's drafts are never read there)
     target_logits: torch.Tensor,
     sampling: SamplingBatch,  # one row per sequence
     rows: SamplingBatch | None = None,  # B * (k + 1) rows, one per position, with draft context; None = repeats
 ) -> Verified:
-    B, k = draft_token_ids.shape
+    B, k = draft.shape
     device = target_logits.device
     V = target_logits.shape[-1]
     if rows is not None and rows.adjusts:
         target_logits = adjust_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
-    if sampling.all_deterministic and not sampling.keyed_rows:
-        return _greedy(draft_token_ids.tolist(), num_draft.tolist(), argmax_host(target_logits), device)
+    if sampling.all_deterministic and not sampling.keyed_rows:  # on the host lists (a chain drafter's own)
+        return _greedy(*draft.host(), argmax_host(target_logits), device)
     if B == 1 and not sampling.keyed_rows and not sampling.greedy[0]:  # one sampled row
-        return _one_sampled_row(draft_token_ids, int(num_draft[0]), draft_probs, target_logits, sampling, rows)
+        tokens, num = draft.host()
+        return _one_sampled_row(tokens[0], num[0], draft.probs, target_logits, sampling, rows)
+    draft_token_ids, num_draft, draft_probs = draft.token_ids, draft.num_tokens, draft.probs
     positions = torch.arange(k, device=device)[None, :]  # [1, k]
     in_draft = positions < num_draft[:, None]  # [B, k]
     safe_drafts = draft_token_ids.clamp(min=0)
@@ -142,7 +172,7 @@ def verify(
     return _assemble(draft_token_ids, num_accepted, torch.where(deterministic, exact[1], final_token))
 
 
-def _one_sampled_row(draft_token_ids: torch.Tensor, num_draft: int, draft_probs: torch.Tensor | None,
+def _one_sampled_row(drafts: list[int], num_draft: int, draft_probs: torch.Tensor | None,
                      target_logits: torch.Tensor, sampling: SamplingBatch, rows: SamplingBatch | None) -> Verified:
     """The sampling rule for a batch of one sampled, unkeyed row, as `verify` computes it (the same
     ops on the same values, the same draws in the same order, so the same tokens) with the
@@ -150,14 +180,13 @@ def _one_sampled_row(draft_token_ids: torch.Tensor, num_draft: int, draft_probs:
     at the drafted tokens gathered once and only the final position's residual built. On a CPU the
     walk and the final draw after p are one C++ call (`verify_sampled_row`, kernels/decode_stack_cpu.cpp:
     MTP k=4 at T=1, batch 1, 236 -> 98 us a verification with the C++ inverse CDF)."""
-    k, V = draft_token_ids.shape[1], target_logits.shape[-1]
+    k, V = len(drafts), target_logits.shape[-1]
     device = target_logits.device
     logits = target_logits.reshape(k + 1, V)
     if rows is None and not sampling.needs_filter and sampling.min_p is None:  # a temperature alone
         p = torch.softmax(logits / sampling.temperature[:, None], dim=-1)  # processed_logits' division, row for row
     else:
         p = process_logits(logits, sampling.repeat_rows([k + 1]) if rows is None else rows)  # [k + 1, V]
-    drafts = draft_token_ids[0].tolist()
     u = uniform_draws(1, k, sampling.generators, device)  # [1, k]
     native = native_sampling() if device.type == "cpu" and p.dtype == torch.float32 else None
     if native is not None and (draft_probs is None or draft_probs.dtype == torch.float32):
@@ -193,10 +222,7 @@ def _one_row_verified(drafts: list[int], accepted: int, token: int, device) -> V
     """One row's Verified: its accepted drafts, then the final token, -1 padded to k + 1."""
     k = len(drafts)
     tokens = drafts[:accepted] + [token] + [-1] * (k - accepted)
-    verified = Verified(torch.tensor(tokens, dtype=torch.long, device=device).view(1, k + 1),
-                        torch.tensor([accepted], dtype=torch.long, device=device))
-    verified._host = ([tokens], [accepted])
-    return verified
+    return Verified.from_host([tokens], [accepted], device)
 
 
 def _greedy(drafts: list[list[int]], num_draft: list[int], choice: list[list[int]], device) -> Verified:
@@ -213,10 +239,7 @@ def _greedy(drafts: list[list[int]], num_draft: list[int], choice: list[list[int
             n += 1
         accepted.append(n)
         tokens.append(row[: n + 1] + [-1] * (k - n))
-    verified = Verified(torch.tensor(tokens, dtype=torch.long, device=device).view(len(drafts), k + 1),
-                        torch.tensor(accepted, dtype=torch.long, device=device))
-    verified._host = (tokens, accepted)
-    return verified
+    return Verified.from_host(tokens, accepted, device)
 
 
 def _assemble(draft_token_ids: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> Verified:

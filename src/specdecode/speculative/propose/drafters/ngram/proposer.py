@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import torch
-
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
 
@@ -80,5 +78,4 @@ class NgramProposer(ProposerBase[NgramIndex]):
                     if limit > 0 else [])
             rows.append(cont + [-1] * (k - len(cont)))
             nums.append(len(cont))
-        return Draft(torch.tensor(rows, dtype=torch.long, device=self.device),
-                     torch.tensor(nums, dtype=torch.long, device=self.device))
+        return Draft.from_host(rows, nums, self.device)
