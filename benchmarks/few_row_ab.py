@@ -6,16 +6,20 @@ C++ layer stack's (models/native_stack.py; the baseline's models and drafter blo
 Python modules); `--against python-draft`: the C++ drafting step's (speculative/propose/native_step.py;
 the baseline's proposer drafts through its Python step); `--against python-runner`: the runner's
 one-sequence forward in one C++ call (models/native_stack.py NativeChain; the baseline's runners keep
-their Python around the stack).
+their Python around the stack); `--against host-argmax`: a greedy step's argmax taken by that C++ call
+(the baseline's runners leave it to the caller, from the logits); `--against same`: an A / A control
+(the baseline built as the candidate).
 
     python benchmarks/few_row_ab.py --quantization int8 [--method ngram] [--compile]
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against eager
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against modules --method eagle3
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against python-draft --method mtp
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against python-runner
+    python benchmarks/few_row_ab.py --quantization w4a8 --against host-argmax --num-prompts 16 --rounds 8
 
-Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored);
-prints each round's tok/s and the median of the per-round ratios candidate / baseline.
+Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored), the
+two engines taking turns prompt by prompt (which goes first alternates by round); prints each round's
+tok/s (wall, prefill included) and the median of the per-round ratios candidate / baseline.
 """
 
 from __future__ import annotations
@@ -41,11 +45,13 @@ def main() -> None:
     parser.add_argument("--method", default="none",
                         help="none, ngram (k=8), or a shipped drafter: draft_model, eagle3, mtp (k=4)")
     parser.add_argument("--compile", action="store_true", help="both engines compiled (--against pytorch)")
-    parser.add_argument("--against", choices=("pytorch", "eager", "modules", "python-draft", "python-runner"),
+    parser.add_argument("--against", choices=("pytorch", "eager", "modules", "python-draft", "python-runner",
+                                              "host-argmax", "same"),
                         default="pytorch",
                         help="the baseline: PyTorch's kernels in place of the few-row ones, eager forwards, the "
                              "Python modules in place of the C++ layer stack, the proposer's Python drafting step in "
-                             "place of the C++ one, or the runners' Python around the stack")
+                             "place of the C++ one, the runners' Python around the stack, greedy argmaxes taken "
+                             "after the forward, or the candidate itself (an A / A control)")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -65,23 +71,26 @@ def main() -> None:
                 serve_by_modules(module)
     elif args.against == "python-draft":
         engines["baseline"].speculator.proposer.native_drafting = False
-    elif args.against == "python-runner":
+    elif args.against in ("python-runner", "host-argmax"):
         proposer = getattr(engines["baseline"].speculator, "proposer", None)
         for runner in (engines["baseline"].runner, getattr(proposer, "runner", None)):
             if runner is not None:
-                runner.native_chain = False
+                setattr(runner, "native_chain" if args.against == "python-runner" else "forward_argmax", False)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
     prompts = load_prompts("humaneval", args.num_prompts)
     outputs = {}
     for name, llm in engines.items():  # warm-up (and compilation)
         outputs[name] = [llm.generate([p], params)[0].token_ids for p in prompts]
     speed: dict[str, list[float]] = {name: [] for name in engines}
-    for _ in range(args.rounds):
-        for name, llm in engines.items():
-            start = time.perf_counter()
-            for p in prompts:
-                llm.generate([p], params)
-            speed[name].append(len(prompts) * args.max_tokens / (time.perf_counter() - start))
+    for r in range(args.rounds):  # prompt by prompt, the engines' order alternating by round
+        seconds = dict.fromkeys(engines, 0.0)
+        for p in prompts:
+            for name in list(engines)[:: 1 if r % 2 == 0 else -1]:
+                start = time.perf_counter()
+                engines[name].generate([p], params)
+                seconds[name] += time.perf_counter() - start
+        for name in engines:
+            speed[name].append(len(prompts) * args.max_tokens / seconds[name])
     ratios = [a / b for a, b in zip(speed["candidate"], speed["baseline"])]
     result = {"args": {k: v for k, v in vars(args).items() if k != "out"},
               "tok_s": {name: [round(s, 1) for s in v] for name, v in speed.items()},

@@ -170,7 +170,7 @@ def verify_against_the_drafter(verify):
     """A broken verifier for negative controls: it checks drafts against the drafter's own
     distribution instead of the target's, so every draft is accepted and the output follows
     the drafter. A distribution test must catch it."""
-    def broken(draft, target_logits, sampling, rows=None):
+    def broken(draft, target_logits, sampling, rows=None, choices=None):
         wrong = target_logits.clone()
         temperature = sampling.temperature.clamp(min=1e-6)[:, None, None]
         wrong[:, : draft.probs.shape[1]] = draft.probs.clamp(min=1e-30).log() * temperature  # process_logits divides by T

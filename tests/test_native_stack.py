@@ -98,6 +98,47 @@ def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
     _assert_bit_identical(ours, theirs)
 
 
+def test_argmax_rows_picks_as_torch_argmax_does():
+    """The C++ argmax a greedy step takes from the forward (`ForwardResult.argmax`) must be torch.argmax's
+    pick in every case: the first of tied maxima (within 8 lanes, across lanes, in the tail), NaN as the
+    largest (its first), infinities, and widths that are not a multiple of 8."""
+    argmax_rows = decode_stack_cpu.extension().argmax_rows
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for V in (1, 7, 8, 13, 8192, 8199):
+        base = torch.randn(V, generator=g)
+        rows.append(base)
+        for at in ((0, V - 1), (V // 3, V // 2), (V - 1,), (3 % V, 11 % V, V - 2 if V > 2 else 0)):
+            tied = base.clone()
+            tied[list(at)] = 100.0
+            rows.append(tied)
+            nan = base.clone()
+            nan[list(at)] = float("nan")
+            rows.append(nan)
+            inf = base.clone()
+            inf[list(at)] = float("inf")
+            rows.append(inf)
+        rows += [torch.full((V,), float("-inf")), torch.zeros(V), -torch.zeros(V)]
+    for row in rows:
+        assert argmax_rows(row[None].contiguous()) == [int(row.argmax())], row
+    batch = torch.randn(5, 8192, generator=g)
+    assert argmax_rows(batch) == batch.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", "w4a8")])
+def test_a_one_sequence_forward_asked_for_its_argmax_takes_torch_argmax_of_its_logits(native_model, stack_calls,
+                                                                                       dtype, quantization):
+    llm = LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2)
+    for entries in _steps(llm.model.config.vocab_size):
+        result = llm.runner.forward(entries, argmax=True)
+        if len(entries) == 1 and entries[0].tree_mask is None:  # one sequence's chain: one C++ call
+            assert result.argmax == [result.logits[0].argmax(dim=-1).tolist()]
+        else:
+            assert result.argmax is None
+    assert stack_calls.chains == [9, 1, 5]
+    assert llm.runner.forward(_steps(llm.model.config.vocab_size)[1]).argmax is None  # not asked
+
+
 @pytest.mark.parametrize("dtype,quantization", [("float32", "int8"), ("float32", None), ("bfloat16", "int8"),
                                                 ("bfloat16", None), ("float32", "int4"), ("bfloat16", "int4"),
                                                 ("float32", "w8a8"), ("bfloat16", "w8a8"), ("bfloat16", "w4a8")])

@@ -332,10 +332,13 @@ def _tensor_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.searchsorted(cdf, threshold[:, None], right=True)[:, 0].clamp_(max=probs.shape[-1] - 1)
 
 
-def sample_host(logits: torch.Tensor, batch: SamplingBatch) -> list[int]:
+def sample_host(logits: torch.Tensor, batch: SamplingBatch, choices: list[int] | None = None) -> list[int]:
     """`sample(logits, batch).tolist()`; an all-greedy batch's argmaxes go straight to the host
-    (`argmax_host`)."""
+    (`argmax_host`). `choices`: the rows' argmaxes where the forward took them (`ForwardResult.argmax`),
+    the tokens of an all-greedy batch without adjustments."""
     if batch.all_greedy:
+        if choices is not None and not batch.adjusts:
+            return choices
         return argmax_host(adjust_logits(logits, batch))
     return sample(logits, batch).tolist()
 

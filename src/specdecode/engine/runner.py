@@ -25,6 +25,9 @@ class ForwardResult:
     hidden: torch.Tensor  # [B, T, d] final-normed hidden states of all new tokens (padded)
     taps: dict[int, torch.Tensor]  # layer -> [B, T, d]
     num_new: list[int]  # T_i per entry
+    # A one-sequence forward asked for `argmax` and served in one C++ call: its logits rows' torch.argmax
+    # [[N ints]], taken while the logits were in the caches (else None: take them from `logits`).
+    argmax: list[list[int]] | None = None
 
 
 class Runner:
@@ -40,9 +43,13 @@ class Runner:
         self.kv_cache = KVCache(model.config, num_slots, max_len, dtype, device)
         self.grouping = LengthGrouping.for_device(device)  # when a ragged batch is split into several forwards
         self.native_chain = True  # one sequence's chain in one C++ call where served; False: always Python (A/B)
+        self.forward_argmax = True  # such a call takes the argmax asked for; False: the caller takes it (A/B)
 
     @torch.inference_mode()
-    def forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...] = ()) -> ForwardResult:
+    def forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...] = (),
+                argmax: bool = False) -> ForwardResult:
+        """The entries' forward; `argmax`: the caller will take the raw logits' argmax (greedy rows
+        without adjustments), which a one-sequence C++ forward then computes (`ForwardResult.argmax`)."""
         def merge(parts: list[ForwardResult], groups: list[list[int]]) -> ForwardResult:
             return ForwardResult(
                 logits=merge_rows([p.logits for p in parts], groups),
@@ -50,16 +57,19 @@ class Runner:
                 taps={layer: merge_rows([p.taps[layer] for p in parts], groups) for layer in parts[0].taps},
                 num_new=[len(e.token_ids) for e in entries])
 
-        return self.grouping.run(entries, lambda group: self._forward([entries[i] for i in group], hidden_taps), merge)
+        return self.grouping.run(
+            entries, lambda group: self._forward([entries[i] for i in group], hidden_taps, argmax and self.forward_argmax),
+            merge)
 
-    def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...]) -> ForwardResult:
+    def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...], argmax: bool = False) -> ForwardResult:
         if len(entries) == 1 and self.native_chain and not self.exact and self.model_forward.compiled is None:
             entry = entries[0]  # one sequence's chain: embedding to logits in one C++ call, where it serves
             if entry.positions is None and entry.tree_mask is None and entry.num_logits <= len(entry.token_ids):
                 out = self.model.forward_chain(entry.token_ids, entry.slot, entry.start, entry.num_logits,
-                                               self.kv_cache, hidden_taps)
+                                               self.kv_cache, hidden_taps, argmax)
                 if out is not None:
-                    return ForwardResult(out[2], out[0], out[1], [len(entry.token_ids)])
+                    return ForwardResult(out[2], out[0], out[1], [len(entry.token_ids)],
+                                         None if out[3] is None else [out[3]])
         input_ids, positions, batch = build_attention(
             entries, self.kv_cache.scratch_index, self.model.config.sliding_window, self.device)
         batch.exact = self.exact

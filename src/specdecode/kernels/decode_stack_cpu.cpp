@@ -917,6 +917,8 @@ torch::Tensor join_normed(const torch::Tensor& a, const OptTensor& a_norm, doubl
   return out;
 }
 
+std::vector<int64_t> argmax_rows(const torch::Tensor& logits);  // defined after DraftStep
+
 // A model's forward for one sequence's contiguous new tokens as one C++ call (models/native_stack.py
 // NativeChain, for engine/runner.py): embedding, RoPE, the layer stack, then the LM head at the last
 // `num_logits` rows in float32, what Runner._forward computes for such a batch, op for op. Around the
@@ -929,10 +931,12 @@ class ChainForward {
         head_(std::move(head)) {}
 
   // tokens [1, T] int64 at cache columns start .. of row `slot` -> (final-normed hidden [1, T, d], the
-  // states of `taps`, logits [1, num_logits, V] float32 of the last num_logits tokens).
-  std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor> forward(
+  // states of `taps`, logits [1, num_logits, V] float32 of the last num_logits tokens, and with `argmax`
+  // each logits row's argmax as torch.argmax picks it, else nothing: computed while the logits are in
+  // the caches, where after the call a greedy step's argmax cost ~15-40 us of cold host work).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>> forward(
       Stack& stack, const torch::Tensor& tokens, int64_t slot, int64_t start, int64_t num_logits,
-      const std::vector<int64_t>& taps) {
+      const std::vector<int64_t>& taps, bool argmax) {
     const int64_t T = tokens.size(1);
     const auto x = embed(embedding_, tokens);  // [1, T, d]
     const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, x.scalar_type());
@@ -941,7 +945,7 @@ class ChainForward {
     // Runner._forward: the last num_logits rows (a gather: contiguous), then compute_logits (row_linear, float).
     const auto selected = hidden.slice(1, T - num_logits, T).contiguous();  // [1, N, d]
     const auto logits = head_(selected.reshape({-1, selected.size(-1)})).view({1, num_logits, -1}).to(torch::kFloat);
-    return {hidden, tapped, logits};
+    return {hidden, tapped, logits, argmax ? argmax_rows(logits.view({num_logits, -1})) : std::vector<int64_t>{}};
   }
 
  private:
@@ -961,6 +965,24 @@ class ChainForward {
 // to rounding.
 class DraftStep {
  public:
+  // (the first i with the largest float(s[i]), NaN counting as the largest: torch.argmax's pick; that value).
+  template <typename scalar_t>
+  static std::pair<int64_t, float> first_max(const scalar_t* s, int64_t n) {
+#if SPECDECODE_LEAN_PATH
+    if constexpr (!std::is_same_v<scalar_t, double>) {  // double scores: the scalar loop
+      const float max = scores_max(s, n, 1.0f, nullptr);
+      if (std::isfinite(max)) return {first_equal(s, n, max), max};
+    }
+#endif
+    int64_t best = 0;  // NaN or infinite scores: scalar
+    float max = static_cast<float>(s[0]);
+    for (int64_t i = 1; i < n && !std::isnan(max); ++i) {
+      const float v = static_cast<float>(s[i]);
+      if (v > max || std::isnan(v)) best = i, max = v;
+    }
+    return {best, max};
+  }
+
   // embedding [V, d]: the target's; inv_freq, attention_factor: the drafter's RotaryEmbedding.
   // eagle3 (attn_input): attention reads cat(norm(e; embed_norm), norm(f; feature_norm)) and f is the
   // residual; else x = fc(cat(e', f')) with e', f' normed where a norm is given (MTP), raw (EAGLE);
@@ -1142,19 +1164,12 @@ class DraftStep {
   // the softmax's maximum up to rounding). The scores as float are the float logits exactly.
   template <typename scalar_t>
   static std::pair<int64_t, double> pick(const scalar_t* s, int64_t n) {
+    const auto [best, max] = first_max(s, n);
 #if SPECDECODE_LEAN_PATH
-    if constexpr (!std::is_same_v<scalar_t, double>) {  // double scores: the scalar loops
-      const float max = scores_max(s, n, 1.0f, nullptr);
-      if (std::isfinite(max)) return {first_equal(s, n, max), static_cast<double>(1.0f / exp_sum(s, n, max, nullptr))};
-    }
+    if constexpr (!std::is_same_v<scalar_t, double>)  // double scores: the scalar loop
+      if (std::isfinite(max)) return {best, static_cast<double>(1.0f / exp_sum(s, n, max, nullptr))};
 #endif
-    int64_t best = 0;  // NaN or infinite scores: scalar
-    float max = static_cast<float>(s[0]);
-    for (int64_t i = 1; i < n && !std::isnan(max); ++i) {
-      const float v = static_cast<float>(s[i]);
-      if (v > max || std::isnan(v)) best = i, max = v;
-    }
-    double sum = 0.0;
+    double sum = 0.0;  // NaN or infinite scores: scalar
     for (int64_t i = 0; i < n; ++i) sum += std::exp(static_cast<double>(static_cast<float>(s[i]) - max));
     return {best, static_cast<double>(static_cast<float>(1.0 / sum))};
   }
@@ -1244,6 +1259,16 @@ class DraftStep {
   std::vector<float> scaled_;  // draw's scratch [n]
 };
 
+std::vector<int64_t> argmax_rows(const torch::Tensor& logits) {  // [R, V] float32, contiguous
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous() && logits.size(1) > 0,
+              "argmax_rows: float32 [R, V > 0] contiguous");
+  const int64_t rows = logits.size(0), V = logits.size(1);
+  const float* data = logits.data_ptr<float>();
+  std::vector<int64_t> out(rows);
+  for (int64_t r = 0; r < rows; ++r) out[r] = DraftStep::first_max(data + r * V, V).first;
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
   m.def("dense_linear", &dense_linear, "a dense layer: at::linear(x, weight, bias)", py::arg("weight"),
@@ -1252,6 +1277,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "an int4 layer: specdecode_int4::int4_linear with these arguments");
   m.def("a8_linear", &a8_linear, "a w8a8 (weight_bits 8) or w4a8 (4) layer: specdecode_a8's op with these arguments");
   m.def("with_wide", &with_wide, "the layer, from wide_from rows on the layer `wide` (its packed dense copy)");
+  m.def("argmax_rows", &argmax_rows, "float32 [R, V] contiguous -> torch.argmax of each row (NaN the largest)",
+        py::arg("logits"));
   m.def("inverse_cdf", &inverse_cdf_rows, "sampling.py inverse_cdf: float32 probs [N, V], float64 u [N] -> int64 [N]",
         py::arg("probs"), py::arg("u"));
   m.def("verify_sampled_row", &verify_sampled_row,

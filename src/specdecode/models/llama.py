@@ -401,16 +401,18 @@ class LlamaForCausalLM(nn.Module):
         return ForwardOutput(self.model.norm(x), taps)
 
     def forward_chain(self, token_ids: list[int], slot: int, start: int, num_logits: int, kv_cache: KVCache,
-                      hidden_taps: tuple[int, ...] = ()) -> tuple | None:
+                      hidden_taps: tuple[int, ...] = (), argmax: bool = False) -> tuple | None:
         """One sequence's contiguous new tokens, written at cache columns start .. of row `slot`, as one
         C++ call (models/native_stack.py NativeChain: the embedding, RoPE, the stack and the LM head):
-        (final-normed hidden [1, T, d], taps, logits [1, num_logits, V] float32) bit-identical to
-        `forward` + `compute_logits` of the last num_logits tokens; None where that is not served."""
+        (final-normed hidden [1, T, d], taps, logits [1, num_logits, V] float32, with `argmax` the logits
+        rows' argmaxes as a list, else None) bit-identical to `forward` + `compute_logits` of the last
+        num_logits tokens; None where that is not served."""
         if kv_cache.k[0].device.type != "cpu" or torch.compiler.is_compiling():
             return None
         stack = native_stack_for(self, NATIVE_TYPES)
         chain = native_chain_for(self, NATIVE_TYPES) if stack is not None else None
-        return None if chain is None else chain.forward(stack, token_ids, slot, start, num_logits, kv_cache, hidden_taps)
+        return None if chain is None else chain.forward(stack, token_ids, slot, start, num_logits, kv_cache, hidden_taps,
+                                                        argmax)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., vocab] in float32 (sampling needs the precision)."""

@@ -203,16 +203,17 @@ class NativeChain:
                                              served_linear(head, "lm_head", self.dtype, watch, types))
 
     def forward(self, stack: NativeStack, token_ids: list[int], slot: int, start: int, num_logits: int,
-                kv_cache, hidden_taps: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor] | None:
-        """(final-normed hidden [1, T, d], {tap: [1, T, d]}, logits [1, num_logits, V] float32), or None
-        where it does not serve now (autograd, a forward hook)."""
+                kv_cache, hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
+        """(final-normed hidden [1, T, d], {tap: [1, T, d]}, logits [1, num_logits, V] float32, with `argmax`
+        each logits row's torch.argmax as a list, else None), or None where it does not serve now
+        (autograd, a forward hook)."""
         if torch.is_grad_enabled() or any(self._hooks) or not stack.serves(self.dtype):
             return None
         taps = list(hidden_taps)
         ids = torch.tensor([token_ids], dtype=torch.long)
-        hidden, tapped, logits = stack.chain_forward(self._chain, kv_cache.k, kv_cache.v, ids, slot, start,
-                                                     num_logits, taps)
-        return hidden, dict(zip(taps, tapped)), logits
+        hidden, tapped, logits, choices = stack.chain_forward(self._chain, kv_cache.k, kv_cache.v, ids, slot, start,
+                                                              num_logits, taps, argmax)
+        return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None
 
 
 def forward_hooks(modules: list[nn.Module | None]) -> list[dict]:

@@ -160,7 +160,7 @@ class Speculator:
         declined before planning (`DepthController.declines`)."""
         t0 = time.perf_counter()
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
-        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
+        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps, argmax=_takes_argmax(sampling))
         verified = self._sample_without_draft(result, sampling)
         tokens, num_accepted = verified.host()
         logprobs = self._committed_logprobs(seqs, sampling, result.logits, sampling, tokens, num_accepted, None)
@@ -180,7 +180,8 @@ class Speculator:
         streams stay batch-independent."""
         skip_uniform_draws(self.k, sampling.generators, self.target.device)
         # The token as plain decoding samples it (`sample_host`: greedy argmaxes straight to the host).
-        rows = [[token] for token in sample_host(result.logits[:, 0], sampling)]
+        argmax = None if result.argmax is None else [row[0] for row in result.argmax]
+        rows = [[token] for token in sample_host(result.logits[:, 0], sampling, argmax)]
         return Verified.from_host(rows, [0] * len(rows), result.logits.device)
 
     def _empty_draft(self, batch_size: int) -> Draft:
@@ -236,7 +237,7 @@ class Speculator:
         drafts_host = draft.host()[0]
         entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
                                 num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
-        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps)
+        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps, argmax=_takes_argmax(sampling))
         if max(num_draft) == 0:  # nothing to verify (the drafter proposed nothing)
             return result, self._sample_without_draft(result, sampling), result.logits[:, :1], sampling
         draft = draft.pad_to(self.k)  # fixed width k: per-request random draws never depend on the batch
@@ -244,7 +245,7 @@ class Speculator:
         # An all-greedy batch without adjustments compares argmaxes over the drafted positions only
         # (padding the logits to k + 1 cost 6-11 us a step, and the argmax read the padding too).
         logits = result.logits if rows is None and sampling.all_greedy else _pad_logits(result.logits, self.k + 1)
-        return result, verify(draft, logits, sampling, rows), logits, rows
+        return result, verify(draft, logits, sampling, rows, result.argmax), logits, rows
 
     def _verify_tree(self, seqs, draft: Draft, num_nodes: list[int], limits: list[int], sampling: SamplingBatch):
         draft = draft.truncate(num_nodes)  # nodes past a row's count must never match in the walk
@@ -279,6 +280,12 @@ class Speculator:
                          torch.tensor([s.num_cached for s in seqs], device=device), path, verified.num_accepted)
         verified.path = path
         return result, verified, tree_depths, logits, rows
+
+
+def _takes_argmax(sampling: SamplingBatch) -> bool:
+    """Whether the step's tokens are the raw logits' argmaxes (all greedy, no adjustments), which a
+    one-sequence C++ forward then takes itself (`Runner.forward`)."""
+    return sampling.all_greedy and not sampling.adjusts
 
 
 def _pad_logits(logits: torch.Tensor, width: int) -> torch.Tensor:

@@ -102,6 +102,7 @@ def verify(
     target_logits: torch.Tensor,
     sampling: SamplingBatch,  # one row per sequence
     rows: SamplingBatch | None = None,  # B * (k + 1) rows, one per position, with draft context; None = repeats
+    choices: list[list[int]] | None = None,  # [B][n] the raw logits' argmaxes, where the forward took them
 ) -> Verified:
     B, k = draft.shape
     device = target_logits.device
@@ -109,7 +110,9 @@ def verify(
     if rows is not None and rows.adjusts:
         target_logits = adjust_logits(target_logits.reshape(B * (k + 1), V), rows).view(B, k + 1, V)
     if sampling.all_deterministic and not sampling.keyed_rows:  # on the host lists (a chain drafter's own)
-        return _greedy(*draft.host(), argmax_host(target_logits), device)
+        adjusted = rows is not None and rows.adjusts
+        return _greedy(*draft.host(), choices if choices is not None and not adjusted else argmax_host(target_logits),
+                       device)
     if B == 1 and not sampling.keyed_rows and not sampling.greedy[0]:  # one sampled row
         tokens, num = draft.host()
         return _one_sampled_row(tokens[0], num[0], draft.probs, target_logits, sampling, rows)
