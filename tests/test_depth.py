@@ -735,16 +735,22 @@ def test_one_stalled_step_moves_neither_the_guards_rates_nor_the_live_level_much
     assert cost.per_step < 0.3 * 1.25
 
 
+def _plain_and_ngram_engine(native_model, max_tokens: int, policy: dict):
+    """(greedy params, one prompt, plain decoding's tokens for it, an n-gram k=4 engine with `policy`), batch 1."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}]
+    plain = LLM(native_model, dtype="float32", max_num_seqs=1).generate(prompts, params)[0].token_ids
+    llm = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config={
+        "method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4, **policy})
+    return params, prompts, plain, llm
+
+
 def test_a_step_the_guard_declines_takes_the_lean_path_and_keeps_the_guard_and_live_cost_measured(native_model,
                                                                                                    monkeypatch):
     """Where drafting measured slower and nothing is due, a step skips `plan` and `update` (their host work
     was most of a declined step's cost over a plain engine's) and still counts the guard's decision, times
     the plain arm and the live cost, and commits what plain decoding commits."""
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}]
-    plain = LLM(native_model, dtype="float32", max_num_seqs=1).generate(prompts, params)[0].token_ids
-    llm = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config={
-        "method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4, "verify_pruning": "dcut"})
+    params, prompts, plain, llm = _plain_and_ngram_engine(native_model, 24, {"verify_pruning": "dcut"})
     depth = llm.speculator.depth
     guard = depth.guard
     guard.sums[(1, True)] = [1.0, 1.0, 100]  # drafting measured at 1 token a second: it loses
@@ -778,11 +784,7 @@ def test_a_step_the_model_declines_takes_the_lean_path_unless_the_guard_explores
     commits what plain decoding commits. A due exploration still plans (and drafts its burst)."""
     from specdecode.speculative.policy import controller
 
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 9, 10, 11, 12]}]
-    plain = LLM(native_model, dtype="float32", max_num_seqs=1).generate(prompts, params)[0].token_ids
-    llm = LLM(native_model, dtype="float32", max_num_seqs=1, speculative_config={
-        "method": "ngram", "prompt_lookup_min": 1, "num_speculative_tokens": 4, "draft_length_schedule": "auto"})
+    params, prompts, plain, llm = _plain_and_ngram_engine(native_model, 40, {"draft_length_schedule": "auto"})
     depth = llm.speculator.depth
     depth.estimator.rate = [0.0] * 4  # nothing accepted: no depth beats plain decoding
     depth.estimator.observed = [True] * 4
