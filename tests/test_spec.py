@@ -176,6 +176,28 @@ def test_a_one_row_draft_cut_by_views_equals_the_masked_cut():
         assert one_hot.truncate([1], [n]).probs is None and one_hot.truncate([1], [n]).token_ids.tolist() == [tokens[0, :1].tolist()]
 
 
+def test_a_draft_made_on_the_host_cuts_and_pads_as_one_made_of_tensors():
+    """Chain drafters hand their host lists over (`Draft.from_host`): cut (`truncate`) and widened
+    (`pad_to`) on the host, it must hold what the tensor draft holds after the same calls, rows of
+    different lengths included, its tensors built only when asked."""
+    from specdecode.speculative.propose.proposer import Draft
+
+    g = torch.Generator().manual_seed(0)
+    nums, width, V = [5, 2, 0], 5, 30
+    tokens = [[int(t) for t in torch.randint(0, V, (n,), generator=g)] + [-1] * (width - n) for n in nums]
+    confidence = [[float(x) if j < n else 0.0 for j, x in enumerate(torch.rand(width, generator=g))] for n in nums]
+    probs = torch.rand(3, width, V, generator=g)
+    on_host = Draft.from_host(tokens, nums, "cpu", probs, confidence)
+    assert on_host._token_ids is None and on_host.shape == (3, width) and on_host.host() == (tokens, nums)
+    made = Draft(torch.tensor(tokens), torch.tensor(nums), probs, torch.tensor(confidence))
+    for limits in ([5, 5, 5], [3, 1, 0], [0, 0, 0], [1, 4, 2]):
+        for a, b in ((on_host.truncate(limits), made.truncate(limits)),
+                     (on_host.truncate(limits).pad_to(6), made.truncate(limits).pad_to(6))):
+            assert a.host() == b.host() and a.confidence_host() == b.confidence_host(), limits
+            for field in ("token_ids", "num_tokens", "probs", "confidence"):
+                assert torch.equal(getattr(a, field), getattr(b, field)), (limits, field)
+
+
 def test_inverse_cdf_draws_from_the_given_mass_and_never_a_zero():
     # Unnormalised mass with zeros among it: 200,000 draws match mass / total (TV < 0.01, where the
     # same mass with two tokens swapped is 0.11 away: caught); a zero is never drawn, not even at

@@ -115,7 +115,7 @@ class Draft:
         if self._token_ids is None:  # made on the host
             tokens, num, confidence = self._host
             kept = [min(n, limit) for n, limit in zip(num, limits)]
-            k = max(kept, default=0)
+            k = min(max(limits, default=0), len(tokens[0]) if tokens else 0)  # as the tensor cut below
             return Draft.from_host([row[:n] + [-1] * (k - n) for row, n in zip(tokens, kept)], kept, self._device,
                                    self.probs[:, :k] if self.probs is not None else None,
                                    None if confidence is None else [row[:k] for row in confidence])
