@@ -133,6 +133,12 @@ class SamplingBatch:
         return self.adjust is not None or self.grammar is not None
 
     @property
+    def raw_argmax(self) -> bool:
+        """Every row's token is the raw logits' argmax (all greedy, nothing adjusted): the forward may take
+        it (`Runner.forward(argmax=True)`)."""
+        return self.all_greedy and not self.adjusts
+
+    @property
     def constrained(self) -> bool:
         """Some row follows a grammar."""
         return any(g is not None for g in self.grammars)
@@ -337,7 +343,7 @@ def sample_host(logits: torch.Tensor, batch: SamplingBatch, choices: list[int] |
     (`argmax_host`). `choices`: the rows' argmaxes where the forward took them (`ForwardResult.argmax`),
     the tokens of an all-greedy batch without adjustments."""
     if batch.all_greedy:
-        if choices is not None and not batch.adjusts:
+        if choices is not None and batch.raw_argmax:
             return choices
         return argmax_host(adjust_logits(logits, batch))
     return sample(logits, batch).tolist()

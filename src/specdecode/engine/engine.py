@@ -383,7 +383,7 @@ class LLM:
     def _decode(self, seqs: list[Sequence]) -> StepOutput:
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         batch = self._sampling_batch(seqs)
-        result = self.runner.forward(entries, argmax=batch.all_greedy and not batch.adjusts)
+        result = self.runner.forward(entries, argmax=batch.raw_argmax)
         tokens = sample_host(result.logits[:, 0], batch, None if result.argmax is None else result.argmax[0])
         return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs),
                           logprobs=_plain_logprobs(seqs, result.logits[:, 0], batch, tokens))

@@ -160,7 +160,7 @@ class Speculator:
         declined before planning (`DepthController.declines`)."""
         t0 = time.perf_counter()
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
-        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps, argmax=_takes_argmax(sampling))
+        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps, argmax=sampling.raw_argmax)
         verified = self._sample_without_draft(result, sampling)
         tokens, num_accepted = verified.host()
         logprobs = self._committed_logprobs(seqs, sampling, result.logits, sampling, tokens, num_accepted, None)
@@ -237,7 +237,7 @@ class Speculator:
         drafts_host = draft.host()[0]
         entries = [ForwardEntry(s.slot, [s.last_token_id] + drafts_host[b][: num_draft[b]], start=s.num_cached,
                                 num_logits=1 + num_draft[b]) for b, s in enumerate(seqs)]
-        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps, argmax=_takes_argmax(sampling))
+        result = self.target.runner.forward(entries, hidden_taps=self.hidden_taps, argmax=sampling.raw_argmax)
         if max(num_draft) == 0:  # nothing to verify (the drafter proposed nothing)
             return result, self._sample_without_draft(result, sampling), result.logits[:, :1], sampling
         draft = draft.pad_to(self.k)  # fixed width k: per-request random draws never depend on the batch
@@ -280,12 +280,6 @@ class Speculator:
                          torch.tensor([s.num_cached for s in seqs], device=device), path, verified.num_accepted)
         verified.path = path
         return result, verified, tree_depths, logits, rows
-
-
-def _takes_argmax(sampling: SamplingBatch) -> bool:
-    """Whether the step's tokens are the raw logits' argmaxes (all greedy, no adjustments), which a
-    one-sequence C++ forward then takes itself (`Runner.forward`)."""
-    return sampling.all_greedy and not sampling.adjusts
 
 
 def _pad_logits(logits: torch.Tensor, width: int) -> torch.Tensor:

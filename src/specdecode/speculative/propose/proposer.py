@@ -77,7 +77,7 @@ class Draft:
     @property
     def confidence(self) -> torch.Tensor | None:
         if self._confidence is None and self._host is not None and self._host[2] is not None:
-            self._confidence = torch.tensor(self._host[2], device=self._device).view(self.token_ids.shape)
+            self._confidence = torch.tensor(self._host[2], device=self._device).view(self.shape)
         return self._confidence
 
     @property
