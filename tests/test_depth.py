@@ -634,17 +634,45 @@ def test_measured_guard_measures_both_arms_early():
 def test_the_guard_compares_steps_in_units_of_the_machines_speed_at_the_time():
     """Drafting measured during a slow spell of the machine, plain decoding after it: in wall
     seconds drafting looks slower and would stay off; in units of the machine's speed (the live
-    cost model's level, which every step updates) it measures as what it is."""
+    cost model's level, which steps of measured widths move) it measures as what it is."""
     cost = CostModel({1: {1: 0.010, 5: 0.011}}, 128)
     config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
     depth = DepthController(config, lambda: cost)
     assert depth.cost.factor(1) == 1.0  # the live cost model exists once a step is planned
+    for _ in range(4):  # full speed, both widths as the profile prices them
+        depth.update(StepPlan([4]), [None], [4], [1], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.011)
+        depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
     for _ in range(30):  # a machine at half speed: drafting steps commit 2 tokens in 22 ms (91 tok/s)
         depth.update(StepPlan([4]), [None], [4], [1], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.022)
+    assert depth.cost.factor(1) > 1.6
     for _ in range(30):  # full speed again: plain steps of 10 ms (100 tok/s)
         depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
     # In wall seconds: 91 against 100 tok/s, drafting "loses"; in step units it wins clearly.
     assert depth.guard.rate(1, True) > 1.2 * depth.guard.rate(1, False)
+
+
+def test_a_width_dearer_than_its_profile_moves_its_correction_not_the_machines_speed():
+    """Traced, MTP k=3 D-Cut at W4A8: the width-4 verification cost ~2.8x a one-token forward where the
+    profile priced 1.3x. A level that every step's raw ratio moved read 1.61 over drafting steps and 0.76
+    over plain ones, and the guard, dividing by it, measured drafting at 0.91x plain decoding (raw: 0.56x),
+    in another run at 1.59x. The level is the machine's speed: a width's first steps measure its own
+    correction."""
+    cost = CostModel({1: {1: 0.010, 5: 0.011}}, 128)
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=4, verify_pruning="dcut")
+    depth = DepthController(config, lambda: cost)
+    depth.cost  # the live cost model exists once a step is planned
+    for _ in range(20):  # plain steps as profiled: 100 tok/s
+        depth.update(StepPlan([0]), [None], [0], [0], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.010)
+    for _ in range(40):  # drafting steps at twice the profile's price, 2 tokens each: 91 tok/s
+        depth.update(StepPlan([4]), [None], [4], [1], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.022)
+    assert depth.cost.factor(1) == pytest.approx(1.0)
+    assert depth.cost.step_time(1, 5) == pytest.approx(0.022, rel=0.01)  # priced by its own measurement
+    assert depth.cost.step_time(1, 1) == pytest.approx(0.010, rel=0.01)
+    assert depth.guard.rate(1, True) == pytest.approx(2 / 0.022, rel=0.01)
+    assert depth.guard.loses(1)
+    for _ in range(30):  # the machine at half speed: the measured widths move the level, not their corrections
+        depth.update(StepPlan([4]), [None], [4], [1], draft_seconds=0.0, num_draft_steps=0, step_seconds=0.044)
+    assert depth.cost.factor(1) > 1.6 and depth.cost.step_time(1, 1) > 0.016
 
 
 def test_the_guard_counts_only_steps_after_a_step_of_the_same_arm():

@@ -106,11 +106,24 @@ class LiveCost:
     So each width (tokens per sequence, rounded) keeps its own EMA of ratio / level, its shape
     correction, used once `min_samples` steps measured it; other widths take the nearest measured
     width's (the guard's deeper probes measure the next width up).
+
+    The level is the machine's speed alone: a step moves it by its ratio over its width's correction,
+    and only once that width is measured; a width's first steps set its correction at the level of
+    the moment. A level moved by every step's raw ratio followed the mix of widths instead: traced,
+    MTP k=3 D-Cut at W4A8, batch 1, it read 1.61 over drafting steps (their width-4 verification cost
+    ~2.8x a one-token forward, the profile priced 1.3x) and 0.76 over plain ones, so the guard, which
+    divides step times by it, measured drafting at 0.91x plain decoding where raw times gave 0.56x (in
+    another run at 1.59x, and drafting went on; beside a plain engine in one process that configuration
+    ran at 0.85-0.95x its speed). Corrections move at `shape_weight`, a tenth of the level's: in a phase
+    of one width the two EMAs see the same steps, and the faster one takes most of a change in the
+    machine's speed.
     """
 
-    def __init__(self, profile: CostModel, weight: float = 0.1, min_samples: int = 4, reprice_every: int = 1):
+    def __init__(self, profile: CostModel, weight: float = 0.1, min_samples: int = 4, reprice_every: int = 1,
+                 shape_weight: float = 0.01):
         self.profile = profile
         self.weight = weight
+        self.shape_weight = shape_weight
         self.min_samples = min_samples
         self.scale: dict[int, float] = {}  # batch-size bucket (bit length) -> measured / profiled
         # bucket -> {width: [EMA of ratio / level, steps, the bucket's `observed` count at its last step]}
@@ -169,14 +182,23 @@ class LiveCost:
         bucket = batch_size.bit_length()
         count = self.observed[bucket] = self.observed.get(bucket, 0) + 1
         old = self.scale.get(bucket)
-        ratio = clipped(seconds / self.profile.step_time(batch_size, total_tokens), old)
-        level = self.scale[bucket] = ratio if old is None else (1 - self.weight) * old + self.weight * ratio
         widths = self.shape.setdefault(bucket, {})
         width = round(total_tokens / max(1, batch_size))
         entry = widths.setdefault(width, [1.0, 0, 0])
+        known = entry[1] >= self.min_samples  # the width's correction is measured
+        correction = entry[0] if known else self._shape(batch_size, total_tokens)  # else the nearest measured one's
+        ratio = clipped(seconds / self.profile.step_time(batch_size, total_tokens),
+                        None if old is None else old * correction)
+        if old is None:  # the bucket's first step: its width's correction starts at 1
+            level = self.scale[bucket] = ratio
+        elif known:  # the machine's speed: moved by ratio / correction
+            level = self.scale[bucket] = (1 - self.weight) * old + self.weight * ratio / correction
+        else:  # the width's own cost is what its first steps measure
+            level = old
         entry[1] += 1
         entry[2] = count
-        w = max(self.weight, 1 / entry[1])  # the plain mean of the first steps, then an EMA
+        # The plain mean of the steps that measure the width, then a slow EMA
+        w = 1 / entry[1] if entry[1] <= self.min_samples else self.shape_weight
         entry[0] = (1 - w) * entry[0] + w * ratio / level
         if entry[1] >= self.min_samples:
             measured = self.measured.get(bucket)
