@@ -788,7 +788,7 @@ def test_a_step_the_guard_declines_takes_the_lean_path_and_keeps_the_guard_and_l
     class Seq:
         room = 100
 
-    assert depth.declines([Seq()])
+    assert depth.declines([Seq()], lambda seq: 1)
     calls = []
     for name in ("plan", "update"):
         monkeypatch.setattr(depth, name, lambda *a, name=name, **k: calls.append(name))
@@ -854,6 +854,67 @@ def test_a_guard_with_no_exploration_due_chooses_zero_for_a_declined_depth_whate
             checked += 1
         guard.choose(B, rng.choice([0, 0, 2, 4]), switch_steps=rng.choice([0.0, 5.0]))
     assert checked > 500
+
+
+def _state(value):
+    """A policy object's state as plain values (tensors as lists, objects as their attributes), its price
+    caches left out (the same prices, asked in another order)."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    if isinstance(value, dict):
+        return {k: _state(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_state(v) for v in value]
+    if hasattr(value, "__dict__"):
+        return {k: _state(v) for k, v in vars(value).items() if k not in ("_prices", "profile")}
+    return value
+
+
+def test_a_step_whose_exploration_waits_for_the_catch_up_takes_the_lean_path_and_leaves_the_policy_as_planning():
+    """An exploration due where the policy declines waits while the drafter's catch-up (growing every step
+    nothing is drafted) costs more than its switch budget: `choose` then returns 0 with any k, so such a
+    step skips `plan` and `update` too (the steps of such waits were 44% of a declining MTP D-Cut
+    engine's at W4A8). In every state a run of decisions and measurements reaches, the lean path leaves
+    the guard, the live cost and the estimator as `plan` + `update` leave them."""
+    import copy
+    import random
+
+    rng = random.Random(0)
+    config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, verify_pruning="dcut")
+    depth = DepthController(config, lambda: CostModel({1: {1: 0.010, 4: 0.013, 32: 0.04}, 2: {1: 0.012, 4: 0.02,
+                                                                                             32: 0.08}}, 128))
+    depth.guard = type(depth.guard)(3, explore_every=8, max_interval=64, max_wait=96, min_samples=2)
+
+    class Seq:
+        room = 100
+
+    pending = {}
+    lean = waited = 0
+    for step in range(3000):
+        seqs = [Seq() for _ in range(rng.choice([1, 1, 2]))]
+        for seq in seqs:
+            pending[id(seq)] = rng.choice([1, 4, 30, 200, 2000])
+        if rng.random() < 0.05:  # acceptance and drafting cost swing the model's depth
+            depth.estimator.update([3], [rng.choice([0, 3])], None)
+            depth.draft_cost.observe(3, rng.choice([0.3, 3.0]))
+        seconds = rng.uniform(0.008, 0.012)
+        due = depth.guard.exploration_due(len(seqs))
+        planned = copy.deepcopy(depth)
+        if depth.declines(seqs, lambda seq: pending[id(seq)]):
+            depth.observe_declined(len(seqs), seconds)
+            plan = planned.plan(seqs, [pending[id(seq)] for seq in seqs])
+            assert not plan.drafts
+            planned.update(plan, seqs, [0] * len(seqs), [0] * len(seqs), 0.0, 0, None, seconds)
+            for name in ("guard", "estimator", "draft_cost", "catch_up_cost", "cost", "_last_arm"):
+                assert _state(getattr(depth, name)) == _state(getattr(planned, name)), name
+            lean += 1
+            waited += due
+        else:
+            plan = depth.plan(seqs, [pending[id(seq)] for seq in seqs])
+            drafted = [min(n, 2) for n in plan.max_tokens]
+            depth.update(plan, seqs, drafted, [rng.randint(0, n) for n in drafted], 0.001 * max(drafted), max(drafted),
+                         None, seconds * (1 + max(drafted) * rng.uniform(0.2, 0.6)))
+    assert waited > 100 and lean > waited
 
 
 def test_every_32nd_drafting_plan_drafts_to_k_and_d_cut_verifies_it_whole():

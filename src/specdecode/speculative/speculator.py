@@ -106,7 +106,7 @@ class Speculator:
             raise
 
     def _step(self, seqs: list[Sequence], sampling: SamplingBatch) -> StepOutput:
-        if self.proposer.max_tree_depth == 0 and self.depth.declines(seqs):
+        if self.proposer.max_tree_depth == 0 and self.depth.declines(seqs, self.proposer.pending_tokens):
             return self._step_without_draft(seqs, sampling, None)
         plan = self.depth.plan(seqs, [self.proposer.pending_tokens(s) for s in seqs])
         if not plan.drafts and self.proposer.max_tree_depth == 0:

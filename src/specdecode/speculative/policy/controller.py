@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -151,6 +151,7 @@ class DepthController:
         self._drafting_plans = 0
         self._stoppable_plans = 0
         self._last_arm: tuple[int, bool] | None = None  # the last step's (batch-size bucket, drafted)
+        self._declined_switch = 0.0  # the switch cost `declines` priced, for `observe_declined`'s decision
         self.schedule_k: dict[str, int] = {}  # heuristic schedule: request id -> its current k
 
     @property
@@ -173,17 +174,33 @@ class DepthController:
     def needs_cost_model(self) -> bool:
         return self.schedule == "auto" or self.pruning == "dcut"
 
-    def declines(self, seqs: list[Sequence]) -> bool:
+    def declines(self, seqs: list[Sequence], pending_tokens: Callable[[Sequence], int]) -> bool:
         """Whether this step decodes without drafting, known before planning it: the guard has measured
         drafting slower at this batch size, or the cost model's depth without a catch-up is 0 (a catch-up
-        only adds cost) and the guard will not explore; either way with no re-measurement due. Such a
+        only adds cost), and the guard will not explore: none is due, or the one due waits for the
+        drafter's catch-up (`pending_tokens(seq)`, priced only then) to fit its switch budget. Such a
         step takes the speculator's lean path (`observe_declined`, not `plan` / `update`: the policy's
         bookkeeping of a planned step nobody drafted in was ~30 us of a ~0.7 ms MTP D-Cut step at W4A8,
-        batch 1, on the ~95% of steps where the model declined)."""
+        batch 1, on the ~95% of steps where the model declined; with waits planned, 44% of a declining
+        engine's steps still planned, and its policy host work was 42 us a step, 22 with them lean)."""
+        self._declined_switch = 0.0
         if not (self.schedule == "auto" or self.pruning == "dcut"):
             return False
         B = len(seqs)
-        return self.guard.declines(B) or (not self.guard.exploration_due(B) and self._depth_without_catch_up(seqs) == 0)
+        if self.guard.declines(B):
+            return True
+        depth_zero = self._depth_without_catch_up(seqs) == 0
+        if not self.guard.exploration_due(B):
+            return depth_zero  # the plan's k is 0 and `choose` returns 0 whatever the switch costs
+        if not (depth_zero or self.guard.loses(B)):
+            return False
+        # The plan would price this catch-up and pass it to `choose`, which returns 0 with any k where it waits.
+        catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
+        switch = catch_up / self.cost.step_time(B, B)
+        if not self.guard.waits(B, switch):
+            return False
+        self._declined_switch = switch
+        return True
 
     def _depth_without_catch_up(self, seqs: list[Sequence]) -> int:
         """auto_k's depth for this batch without a catch-up (kept until the live cost reprices: it depends
@@ -381,7 +398,7 @@ class DepthController:
         """`plan` and `update` of a step `declines` let decode without drafting, in one call: the guard
         counts the decision and times the plain arm, the live cost times the forward. (A declined W4A8 step
         at batch 1 spent ~35 us more host work than a plain engine's step of ~0.45 ms; this path ~26.)"""
-        self.guard.choose(batch_size, 0)
+        self.guard.choose(batch_size, 0, switch_steps=self._declined_switch)
         self._observe_step(batch_size, False, batch_size, step_seconds, counts=True)
         if self._cost is not None:
             self._cost.observe(batch_size, batch_size, step_seconds)

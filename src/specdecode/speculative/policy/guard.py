@@ -103,6 +103,14 @@ class MeasuredGuard:
             interval = min(interval, self.first_explore)
         return self.since.get(bucket, 0) + 1 >= interval
 
+    def waits(self, batch_size: int, switch_steps: float) -> bool:
+        """Whether an exploration due at the next decision, outside a burst, would wait for this switch cost
+        (more than `switch_budget` of the decisions since the last one, at most `max_wait` of them): where
+        drafting loses or k is 0, `choose` then returns 0 and changes what it would with any k."""
+        bucket = batch_size.bit_length()
+        since = self.since.get(bucket, 0) + 1
+        return self.burst_left.get(bucket, 0) == 0 and switch_steps > self.switch_budget * since and since < self.max_wait
+
     def choose(self, batch_size: int, k: int, switch_steps: float = 0.0) -> int:
         """The draft length to use when the policy chose k. `switch_steps`: what drafting now
         would cost first (the drafter's catch-up), in plain steps of this batch."""
