@@ -890,7 +890,7 @@ def test_a_step_whose_exploration_waits_for_the_catch_up_takes_the_lean_path_and
 
     pending = {}
     lean = waited = 0
-    for step in range(3000):
+    for _ in range(3000):
         seqs = [Seq() for _ in range(rng.choice([1, 1, 2]))]
         for seq in seqs:
             pending[id(seq)] = rng.choice([1, 4, 30, 200, 2000])
