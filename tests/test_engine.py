@@ -56,6 +56,29 @@ def test_generate_detokenises_each_request_once_and_step_every_step(native_model
     assert SamplingBatch.build([params] * 2, [None, None], "cpu").temperature.tolist() == [0.0, 0.0]
 
 
+@pytest.mark.parametrize("speculative", [None, {"method": "ngram", "num_speculative_tokens": 3}])
+def test_steps_leave_no_reference_cycles(native_model, speculative):
+    """A step's objects are freed when it ends, not at the garbage collector's next pass (the step's
+    failure isolation kept each step's outputs in a cycle through a recursive closure)."""
+    import gc
+
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=speculative)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(prompts, params)  # lazily built state first
+    gc.collect()
+    flags = gc.get_debug()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what a collection finds unreachable stays in gc.garbage
+    try:
+        llm.generate(prompts, params)
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(flags)
+        gc.garbage.clear()
+    assert left == []
+
+
 def test_rollback_is_setting_a_length(native_model):
     model = load_model(native_model, torch.float32)
     runner = Runner(model, num_slots=1, max_len=64, dtype=torch.float32, device=torch.device("cpu"))

@@ -306,26 +306,27 @@ class LLM:
         in the step that did not fail."""
         rng = {s.request_id: s.generator.get_state() for s in seqs if s.generator is not None}
         outputs, failed = [], []
-
-        def attempt(part: list[Sequence]) -> None:
+        # Parts still to run, the next one last: halves depth first, in batch order. A loop, not a
+        # recursive closure: that closure referred to itself, so every step's outputs lived in a
+        # reference cycle until the garbage collector's next pass.
+        parts = [seqs]
+        while parts:
+            part = parts.pop()
             try:
                 outputs.append(run(part))
-                return
+                continue
             except Exception as error:
                 if len(part) == 1:
                     log.exception("request %s failed in a %s step; it finishes with finish_reason 'error'",
                                   part[0].request_id, kind)
                     failed.append((part[0], error))
-                    return
+                    continue
                 log.debug("a %s step of %d sequences failed (%r); retrying on halves", kind, len(part), error)
             # Retried outside the except block, so a part's traceback does not chain onto this one.
             for s in part:
                 if s.generator is not None:
                     s.generator.set_state(rng[s.request_id])
-            attempt(part[: len(part) // 2])
-            attempt(part[len(part) // 2:])
-
-        attempt(seqs)
+            parts += [part[len(part) // 2:], part[: len(part) // 2]]
         return StepOutput.merge(outputs), failed
 
     def _speculative(self, seqs: list[Sequence]) -> StepOutput:
