@@ -257,3 +257,22 @@ def test_exact_server_reproduces_seeded_plain_decoding(exact_spec_server, native
         out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=1.0, top_p=0.9,
                                         seed=40 + i)
         assert out.choices[0].text == ref.text
+
+
+def test_serve_freezes_the_start_up_heap_before_serving(native_model, monkeypatch):
+    """`specdecode serve` owns its process: what start-up built is frozen, so the collector's full
+    passes do not walk it while streams wait."""
+    import gc
+
+    import uvicorn
+
+    from specdecode.server import serve as serve_module
+
+    frozen = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: frozen.append(gc.get_freeze_count()))
+    gc.unfreeze()
+    try:
+        serve_module.serve("127.0.0.1", 0, model=str(native_model), max_num_seqs=1)
+    finally:
+        gc.unfreeze()
+    assert len(frozen) == 1 and frozen[0] > 10_000
