@@ -227,7 +227,8 @@ def test_a_probe_waits_for_its_catch_up_at_most_max_wait_decisions():
     bound a guard whose drafting once measured slower never measured it again."""
     from specdecode.speculative.policy.guard import MeasuredGuard
 
-    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1, max_wait=200)
+    guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1, max_wait=200,
+                          settle_samples=1)
     guard.observe(1, drafted=True, tokens=2, seconds=0.010)
     guard.observe(1, drafted=False, tokens=1, seconds=0.004)  # drafting loses
     drafted = [i for i in range(1, 301) if guard.choose(1, 4, switch_steps=0.05 * (i + 100)) > 0]
@@ -551,7 +552,8 @@ def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
     from specdecode.speculative.policy.guard import MeasuredGuard
 
     def losing_guard():
-        guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1)
+        guard = MeasuredGuard(k_max=4, explore_every=4, probe_every=1000, max_interval=16, min_samples=1,
+                              settle_samples=1)
         guard.observe(4, drafted=True, tokens=6, seconds=0.010)
         guard.observe(4, drafted=False, tokens=4, seconds=0.004)  # drafting loses at batch 4
         return guard
@@ -566,6 +568,27 @@ def test_a_drafting_probe_waits_while_the_drafters_catch_up_is_dear():
     declining = losing_guard()
     assert [declining.declines(4) for _ in range(3)] == [True] * 3  # asking changes nothing
     assert [(declining.declines(4), declining.choose(4, 2)) for _ in range(4)] == [(True, 0)] * 3 + [(False, 2)]
+
+
+def test_an_exploration_waits_for_the_catch_up_only_once_drafting_rests_on_enough_steps():
+    """A verdict against drafting from a request's first few drafting steps is re-measured when due,
+    catch-up or not: waiting for the catch-up to fit the budget decoded the rest of that request and
+    the next plainly (EAGLE-3 D-Cut, batch 1, a fresh engine). Once drafting's rate rests on
+    `settle_samples` steps, explorations wait as before."""
+    from specdecode.speculative.policy.guard import MeasuredGuard
+
+    guard = MeasuredGuard(k_max=4, explore_every=8, probe_every=1000, max_interval=64, min_samples=4, settle_samples=16)
+    for _ in range(4):  # a request's first drafting steps accepted little: drafting loses
+        guard.observe(1, drafted=True, tokens=1, seconds=0.002)
+        guard.observe(1, drafted=False, tokens=1, seconds=0.001)
+    assert guard.loses(1)
+    # A catch-up worth 3 plain steps does not hold back the bursts (every 8, then 16 decisions).
+    assert [i for i in range(1, 41) if guard.choose(1, 4, switch_steps=3.0) > 0] == [8, 9, 10, 11, 27, 28, 29, 30]
+    for _ in range(12):  # 16 drafting steps, still losing: settled
+        guard.observe(1, drafted=True, tokens=1, seconds=0.002)
+    assert guard.loses(1) and guard.waits(1, 3.0)
+    # Now the next exploration waits until the catch-up is 3% of the decisions since the last (100).
+    assert [i for i in range(1, 121) if guard.choose(1, 4, switch_steps=3.0) > 0][:4] == [90, 91, 92, 93]
 
 
 def test_a_declined_step_re_measures_drafting_at_backing_off_intervals_where_drafting_lost():
@@ -883,11 +906,15 @@ def test_a_step_whose_exploration_waits_for_the_catch_up_takes_the_lean_path_and
     config = SpeculativeConfig(method="mtp", num_speculative_tokens=3, verify_pruning="dcut")
     depth = DepthController(config, lambda: CostModel({1: {1: 0.010, 4: 0.013, 32: 0.04}, 2: {1: 0.012, 4: 0.02,
                                                                                              32: 0.08}}, 128))
-    depth.guard = type(depth.guard)(3, explore_every=8, max_interval=64, max_wait=96, min_samples=2)
+    depth.guard = type(depth.guard)(3, explore_every=8, max_interval=64, max_wait=96, min_samples=2, settle_samples=4)
 
     class Seq:
         room = 100
 
+    for B in (1, 2):  # drafting measured slower, on fewer steps than settle it (explorations wait only then)
+        for _ in range(2):
+            depth.guard.observe(B, drafted=True, tokens=B, seconds=0.03)
+            depth.guard.observe(B, drafted=False, tokens=B, seconds=0.01)
     pending = {}
     lean = waited = 0
     for _ in range(3000):
@@ -912,8 +939,9 @@ def test_a_step_whose_exploration_waits_for_the_catch_up_takes_the_lean_path_and
         else:
             plan = depth.plan(seqs, [pending[id(seq)] for seq in seqs])
             drafted = [min(n, 2) for n in plan.max_tokens]
-            depth.update(plan, seqs, drafted, [rng.randint(0, n) for n in drafted], 0.001 * max(drafted), max(drafted),
-                         None, seconds * (1 + max(drafted) * rng.uniform(0.2, 0.6)))
+            catch_up = 1e-3 * plan.catch_up_tokens if plan.catching_up else 0.0  # ~0.1 plain steps a token
+            depth.update(plan, seqs, drafted, [rng.randint(0, n) for n in drafted], 0.001 * max(drafted) + catch_up,
+                         max(drafted), None, seconds * (1 + max(drafted) * rng.uniform(0.4, 0.8)) + catch_up)
     assert waited > 100 and lean > waited
 
 
