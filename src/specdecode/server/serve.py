@@ -41,8 +41,8 @@ def serve(host: str, port: int, **kwargs) -> None:
     app, engine = create_server(**kwargs)
     # What start-up built (modules, tokenizer tables, kernels' wrappers: ~300k objects with the default
     # model) lives as long as the process: frozen, the collector's full passes skip it. One such pass
-    # took ~185 ms here, a stall of every stream; this process is the server's own, so nothing else's
-    # garbage is frozen with it.
+    # took 150-185 ms here (benchmarks/gc_pauses.py), a stall of every stream; this process is the
+    # server's own, so nothing else's garbage is frozen with it.
     gc.collect()
     gc.freeze()
     log.info("serving %s on http://%s:%d (speculative: %s)", app.title, host, port,
