@@ -40,7 +40,8 @@ def main() -> None:
     prompts = long_prompts(tokenizer, args.tokens, args.num_prompts)
     args.out.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     lengths = [len(tokenizer.encode(p)) for p in prompts]
-    print(f"{len(prompts)} prompts, {min(lengths)}-{max(lengths)} tokens (mean {sum(lengths) / len(lengths):.1f}) -> {args.out}")
+    mean = sum(lengths) / len(lengths)
+    print(f"{len(prompts)} prompts, {min(lengths)}-{max(lengths)} tokens (mean {mean:.1f}) -> {args.out}")
 
 
 if __name__ == "__main__":

@@ -51,7 +51,7 @@ class MeasuredGuard:
         self.max_wait = max_wait
         # An exploration waits for the catch-up only once drafting's rate rests on this many steps. A verdict
         # from its first few is one request's start: traced (EAGLE-3 D-Cut, bf16, batch 1, a fresh engine),
-        # 4 drafting steps accepting 1 draft token of ~16 measured drafting at 610 tok/s against 865 plain,
+        # 4 drafting steps accepting 1 draft token of ~16 measured drafting at 580-610 tok/s against 865 plain,
         # and as every exploration of drafting then waited for a catch-up over all the tokens decoded since
         # (priced above the budget per token), the rest of the request and the next one decoded plainly:
         # 190 steps, where drafting later measured 1,330-1,560 tok/s.
