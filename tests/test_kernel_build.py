@@ -102,7 +102,7 @@ def test_a_build_killed_midway_does_not_hang_the_next_load(tmp_path, caplog):
         pass
 
 
-def test_a_kernel_loads_under_the_build_lock_in_a_folder_per_torch_install(tmp_path, monkeypatch):
+def test_a_kernel_loads_under_the_build_lock_in_a_folder_per_torch_install_and_checkout(tmp_path, monkeypatch):
     import torch.utils.cpp_extension
 
     source = tmp_path / "k.cpp"
@@ -121,4 +121,12 @@ def test_a_kernel_loads_under_the_build_lock_in_a_folder_per_torch_install(tmp_p
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", fake_load)
     assert build.load_extension.__wrapped__("k", source) == "module"
-    assert loaded["folder"].name.endswith(f"_{build.cpu_fingerprint()}_{build.torch_install_digest()}")
+    assert loaded["folder"].name.endswith(f"_{build.cpu_fingerprint()}_{build.torch_install_digest()}_"
+                                          f"{build.source_location_digest(source)}")
+    # Another checkout of the same source builds in its own folder (PyTorch's build files name the path).
+    other = tmp_path / "other" / "k.cpp"
+    other.parent.mkdir()
+    other.write_text(source.read_text())
+    build.load_extension.__wrapped__("k", other)
+    assert loaded["folder"].name.endswith(f"_{build.source_location_digest(other)}")
+    assert build.source_location_digest(other) != build.source_location_digest(source)

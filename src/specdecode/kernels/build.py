@@ -81,6 +81,13 @@ def torch_install_digest() -> str:
     return hashlib.sha256(str(Path(torch.__file__).resolve().parent).encode()).hexdigest()[:6]
 
 
+def source_location_digest(source: Path) -> str:
+    """Part of a build's name: the folder the source lives in. PyTorch's build files name the source's
+    path, so two checkouts sharing one cache (a worktree beside the main one, for a before/after
+    measurement) rebuilt each other's kernels whenever they alternated (30-60 s a load)."""
+    return hashlib.sha256(str(Path(source).resolve().parent).encode()).hexdigest()[:6]
+
+
 BUILD_LOCK_TIMEOUT_S = 900.0  # a build takes 30-60 s; a holder this slow is stuck, not building
 
 
@@ -132,7 +139,8 @@ def load_extension(name: str, source: Path):
         os.environ["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
     flags = _compile_flags()
     source_hash = source_digest(source)
-    build_dir = cache_root() / "extensions" / f"{name}_{source_hash}_{cpu_fingerprint()}_{torch_install_digest()}"
+    build_dir = cache_root() / "extensions" / (f"{name}_{source_hash}_{cpu_fingerprint()}_{torch_install_digest()}_"
+                                             f"{source_location_digest(source)}")
     build_dir.mkdir(parents=True, exist_ok=True)
     with build_lock(build_dir, name):
         return load(name=f"specdecode_{name}_{source_hash}", sources=[str(source)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
