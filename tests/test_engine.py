@@ -178,6 +178,17 @@ def test_sample_host_reads_what_sample_draws():
 
     drawn = sample_host(logits, batch())
     assert drawn == sample(logits, batch()).tolist() and drawn[1] == int(logits[1].argmax())
+    # A forward's logits [N, T, V] are sampled at position 0, and sliced only where read: a greedy batch
+    # with the forward's argmaxes reads none (the slice was ~6 us a decode step after a W4A8 forward).
+    forward_logits = torch.stack([logits, -logits], dim=1)  # [3, 2, 40]
+    assert sample_host(forward_logits, batch()) == drawn
+    assert sample_host(forward_logits, masked) == [5, choice, int(logits[2].argmax())]
+
+    class Unread(torch.Tensor):
+        def __getitem__(self, index):
+            raise AssertionError("sliced")
+
+    assert sample_host(forward_logits.as_subclass(Unread), greedy, [1, 2, 3]) == [1, 2, 3]
 
 
 def test_temperature_zero_is_exact_argmax(native_model):

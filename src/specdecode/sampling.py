@@ -341,10 +341,14 @@ def _tensor_inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def sample_host(logits: torch.Tensor, batch: SamplingBatch, choices: list[int] | None = None) -> list[int]:
     """`sample(logits, batch).tolist()`; an all-greedy batch's argmaxes go straight to the host
     (`argmax_host`). `choices`: the rows' argmaxes where the forward took them (`ForwardResult.argmax`),
-    the tokens of an all-greedy batch without adjustments."""
+    the tokens of an all-greedy batch without adjustments. logits [N, V], or a forward's [N, T, V]
+    sampled at position 0: sliced only where read (after a forward the slice was the step's first
+    torch op, ~6 us on the caches the forward had evicted, and such a greedy batch reads no logits)."""
+    if batch.all_greedy and choices is not None and batch.raw_argmax:
+        return choices
+    if logits.dim() == 3:
+        logits = logits[:, 0]
     if batch.all_greedy:
-        if choices is not None and batch.raw_argmax:
-            return choices
         return argmax_host(adjust_logits(logits, batch))
     return sample(logits, batch).tolist()
 

@@ -379,15 +379,15 @@ class LLM:
                       prompt_logprobs(result.logits[b], s.prompt_token_ids, s.params.prompt_logprobs)
                       for b, s in enumerate(seqs)]
         return StepOutput(seqs, [[t] for t in tokens], [len(s.prompt_token_ids) for s in seqs],
-                          logprobs=_plain_logprobs(seqs, last, batch, tokens), prompt_logprobs=prompt)
+                          logprobs=_plain_logprobs(seqs, last[:, None], batch, tokens), prompt_logprobs=prompt)
 
     def _decode(self, seqs: list[Sequence]) -> StepOutput:
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         batch = self._sampling_batch(seqs)
         result = self.runner.forward(entries, argmax=batch.raw_argmax)
-        tokens = sample_host(result.logits[:, 0], batch, None if result.argmax is None else result.argmax[0])
+        tokens = sample_host(result.logits, batch, None if result.argmax is None else result.argmax[0])
         return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs),
-                          logprobs=_plain_logprobs(seqs, result.logits[:, 0], batch, tokens))
+                          logprobs=_plain_logprobs(seqs, result.logits, batch, tokens))
 
     def _outputs(self, seqs: list[Sequence], finished_only: bool) -> list[RequestOutput]:
         """Outputs of the step's requests (only the finished ones'); finished ones hand their stats
@@ -459,11 +459,12 @@ class LLM:
 
 def _plain_logprobs(seqs: list[Sequence], logits: torch.Tensor, batch: SamplingBatch,
                     tokens: list[int]) -> list[list[TokenLogprob] | None] | None:
-    """Logprobs of a one-token step's tokens for the rows that asked (None when nobody did)."""
+    """Logprobs of a one-token step's tokens for the rows that asked (None when nobody did), from
+    logits [B, T, V] at position 0."""
     rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
     if not rows:
         return None
-    values = token_logprobs(logits[torch.tensor(rows, device=logits.device)], batch.select(rows),
+    values = token_logprobs(logits[torch.tensor(rows, device=logits.device), 0], batch.select(rows),
                             [tokens[b] for b in rows], [seqs[b].params.logprobs for b in rows])
     out: list[list[TokenLogprob] | None] = [None] * len(seqs)
     for b, value in zip(rows, values):

@@ -181,7 +181,7 @@ class Speculator:
         skip_uniform_draws(self.k, sampling.generators, self.target.device)
         # The token as plain decoding samples it (`sample_host`: greedy argmaxes straight to the host).
         choices = None if result.argmax is None else [row[0] for row in result.argmax]
-        rows = [[token] for token in sample_host(result.logits[:, 0], sampling, choices)]
+        rows = [[token] for token in sample_host(result.logits, sampling, choices)]
         return Verified.from_host(rows, [0] * len(rows), result.logits.device)
 
     def _empty_draft(self, batch_size: int) -> Draft:
