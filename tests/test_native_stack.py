@@ -28,17 +28,20 @@ def forced_kernels(monkeypatch):
 
 class CallList(list):
     chains: list[int]
+    batches: list[int]
 
     def __init__(self):
         super().__init__()
         self.chains = []
+        self.batches = []
 
 
 @pytest.fixture
 def stack_calls(monkeypatch) -> list[int]:
-    """The forwards C++ stacks ran: the token counts of whole models' (more than one block), then
-    (blocks, tokens) of single blocks'; `calls.chains`: the token counts of those that ran with their
-    embedding and LM head as one call (a runner's one-sequence forward)."""
+    """The forwards C++ stacks ran: the token counts of whole models' (more than one block, per
+    sequence), then (blocks, tokens) of single blocks'; `calls.chains`: the token counts of those that
+    ran with their embedding and LM head as one call (a runner's one-sequence forward); `calls.batches`:
+    the batch sizes of decode steps of several sequences that ran as one call on the lean path."""
     calls = CallList()
     forward = native_stack.NativeStack.forward
 
@@ -51,16 +54,26 @@ def stack_calls(monkeypatch) -> list[int]:
         calls.chains.append(ids.shape[1])
         return chain_forward(self, chain, cache_k, cache_v, ids, *args)
 
+    def counted_batch(self, stack, token_ids, *args):
+        out = decode_batch(self, stack, token_ids, *args)
+        if out is not None:  # else the ragged batch runs through NativeStack.forward
+            calls.append(1)
+            calls.batches.append(len(token_ids))
+        return out
+
     chain_forward = native_stack.NativeStack.chain_forward
+    decode_batch = native_stack.NativeChain.decode_batch
     monkeypatch.setattr(native_stack.NativeStack, "forward", counted)
     monkeypatch.setattr(native_stack.NativeStack, "chain_forward", counted_chain)
+    monkeypatch.setattr(native_stack.NativeChain, "decode_batch", counted_batch)
     return calls
 
 
 def _steps(vocab: int) -> list[list[ForwardEntry]]:
     """Prefill, a decode step (every query sees every key: no mask), a chain verify (causal mask),
     two sequences decoding side by side, a tree verify (its mask), two sequences at different
-    columns (a ragged batch: written by index), and two at rows out of order (read by a gather)."""
+    columns (a ragged batch: written by index), two at rows out of order (read by a gather), and a
+    decode step of two sequences at rows out of order and different columns."""
     g = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -72,7 +85,8 @@ def _steps(vocab: int) -> list[list[ForwardEntry]]:
             [ForwardEntry(0, ids(1), 15), ForwardEntry(1, ids(1), 15)],
             [ForwardEntry(0, ids(3), 16, num_logits=3, tree_mask=tree)],
             [ForwardEntry(0, ids(2), 19, num_logits=2), ForwardEntry(1, ids(1), 16)],
-            [ForwardEntry(1, ids(1), 17), ForwardEntry(0, ids(2), 21, num_logits=2)]]
+            [ForwardEntry(1, ids(1), 17), ForwardEntry(0, ids(2), 21, num_logits=2)],
+            [ForwardEntry(1, ids(1), 18), ForwardEntry(0, ids(1), 23)]]
 
 
 def _run(llm: LLM, steps, taps=(0, 1, 2)) -> list:
@@ -88,13 +102,13 @@ def _assert_bit_identical(ours, theirs) -> None:
 def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
     steps = _steps(llm.model.config.vocab_size)
     ours = _run(llm, steps)
-    assert stack_calls == [9, 1, 5, 1, 3, 2, 2]  # every step
+    assert stack_calls == [9, 1, 5, 1, 3, 2, 2, 1]  # every step
     assert stack_calls.chains == [9, 1, 5]  # one sequence's chain: embedding to logits in one C++ call
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
         m.setattr(llama, "native_block_for", lambda *args: None)
         theirs = _run(llm, steps)
-    assert len(stack_calls) == 7
+    assert len(stack_calls) == 8
     _assert_bit_identical(ours, theirs)
 
 
@@ -166,8 +180,10 @@ def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels
     stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
     _compare(llm, stack_calls, monkeypatch)
     # the 9-token prefill, the decode step, the 5-token chain and the 3-token tree: one sequence, at most
-    # 40 query rows per KV head (the prefill has 18; two sequences are a batch: the general path)
-    assert stack.lean_forwards() == 4
+    # 40 query rows per KV head (the prefill has 18); the two decode steps of two sequences (one call each,
+    # embedding to logits); the other ragged batches take the general path
+    assert stack_calls.batches == [2, 2]
+    assert stack.lean_forwards() == 6
 
 
 @pytest.mark.parametrize("hidden", [320, 384])
@@ -180,7 +196,7 @@ def test_the_lean_path_takes_heads_of_80_and_96(tmp_path, forced_kernels, stack_
     assert llm.model.config.head_dim == hidden // 4
     stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
     _compare(llm, stack_calls, monkeypatch)
-    assert stack.lean_forwards() == 4
+    assert stack_calls.batches == [2, 2] and stack.lean_forwards() == 6
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -246,6 +262,25 @@ def test_exact_mode_autograd_hooks_and_other_batches_keep_the_modules(native_mod
     handle.remove()
     llm.runner.forward(_steps(llm.model.config.vocab_size)[0])
     assert len(seen) == 1 and stack_calls == [(1, 9), 9]
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 3, "verify_pruning": "dcut"}])
+def test_decode_steps_of_several_sequences_run_as_one_lean_call_and_equal_each_sequence_alone(
+        lean_model, forced_kernels, stack_calls, spec):
+    """At concurrency, a decode step (every sequence's one next token: plain decoding, or a speculative
+    step where nobody drafted) runs embedding to logits as one C++ call on the lean path: every linear
+    over the batch's rows at once, attention per sequence on its own cache row and length. Each row is
+    that sequence's own forward, so a batch decodes what each request decodes alone (W4A8, bf16)."""
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the lean path needs AVX-512 VNNI")
+    llm = LLM(lean_model, dtype="bfloat16", quantization="w4a8", max_num_seqs=3, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = ["def f(x):\n    return", "class A:\n", "import os\nprint("]
+    together = [o.token_ids for o in llm.generate(prompts, params)]
+    assert 3 in stack_calls.batches  # the three decoding side by side
+    alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+    assert together == alone
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3", "mtp", "eagle"])

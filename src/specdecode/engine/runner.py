@@ -70,6 +70,14 @@ class Runner:
                 if out is not None:
                     return ForwardResult(out[2], out[0], out[1], [len(entry.token_ids)],
                                          None if out[3] is None else [out[3]])
+        elif self.native_chain and not self.exact and self.model_forward.compiled is None and all(
+                len(e.token_ids) == 1 and e.positions is None and e.tree_mask is None and e.num_logits == 1
+                for e in entries):  # a decode step of several sequences: one C++ call on the lean path, where it serves
+            out = self.model.forward_decode_batch([e.token_ids[0] for e in entries], [e.slot for e in entries],
+                                                  [e.start for e in entries], self.kv_cache, hidden_taps, argmax)
+            if out is not None:
+                return ForwardResult(out[2], out[0], out[1], [1] * len(entries),
+                                     None if out[3] is None else [[choice] for choice in out[3]])
         input_ids, positions, batch = build_attention(
             entries, self.kv_cache.scratch_index, self.model.config.sliding_window, self.device)
         batch.exact = self.exact

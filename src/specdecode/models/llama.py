@@ -414,6 +414,19 @@ class LlamaForCausalLM(nn.Module):
         return None if chain is None else chain.forward(stack, token_ids, slot, start, num_logits, kv_cache, hidden_taps,
                                                         argmax)
 
+    def forward_decode_batch(self, token_ids: list[int], slots: list[int], starts: list[int], kv_cache: KVCache,
+                             hidden_taps: tuple[int, ...] = (), argmax: bool = False) -> tuple | None:
+        """B sequences' next token each, token b written at column starts[b] of cache row slots[b], as one
+        C++ call on the stack's lean path (NativeChain.decode_batch): `forward_chain`'s tuple for the batch
+        (hidden [B, 1, d], taps, logits [B, 1, V] float32, argmaxes [B] or None), each row bit-identical to
+        that sequence's own `forward_chain`; None where that is not served."""
+        if kv_cache.k[0].device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        stack = native_stack_for(self, NATIVE_TYPES)
+        chain = native_chain_for(self, NATIVE_TYPES) if stack is not None else None
+        return None if chain is None else chain.decode_batch(stack, token_ids, slots, starts, kv_cache, hidden_taps,
+                                                             argmax)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., vocab] in float32 (sampling needs the precision)."""
         return row_linear(self.lm_head, hidden).float()

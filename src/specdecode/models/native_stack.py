@@ -215,6 +215,22 @@ class NativeChain:
                                                               num_logits, taps, argmax)
         return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None
 
+    def decode_batch(self, stack: NativeStack, token_ids: list[int], slots: list[int], starts: list[int], kv_cache,
+                     hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
+        """B sequences' next token each (token b at column starts[b] of cache row slots[b]): `forward`'s
+        tuple for the batch (hidden [B, 1, d], taps, logits [B, 1, V] float32, argmaxes [B] or None), or
+        None where the stack's lean path does not serve it (the ragged batch's Python path then runs)."""
+        if torch.is_grad_enabled() or any(self._hooks) or not stack.serves(self.dtype):
+            return None
+        taps = list(hidden_taps)
+        ids = torch.tensor(token_ids, dtype=torch.long)[:, None]
+        stack.bind(kv_cache.k, kv_cache.v)
+        out = self._chain.decode_batch(stack._stack, ids, slots, starts, taps, argmax)
+        if out is None:
+            return None
+        hidden, tapped, logits, choices = out
+        return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None
+
 
 def forward_hooks(modules: list[nn.Module | None]) -> list[dict]:
     """The forward (pre-)hook dicts of these modules and the global ones: a C++ path that stands for
