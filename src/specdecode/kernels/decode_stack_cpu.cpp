@@ -1021,7 +1021,8 @@ class ChainForward {
   // slots[b] (a decode step at concurrency B: Stack::decode_batch) -> as `forward` per sequence, batched:
   // (final-normed hidden [B, 1, d], taps, logits [B, 1, V] float32, with `argmax` each row's argmax),
   // or nullopt where the stack's lean path does not serve the batch.
-  std::optional<std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>>> decode_batch(
+  using ChainOutput = std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>>;
+  std::optional<ChainOutput> decode_batch(
       Stack& stack, const torch::Tensor& tokens, const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
       const std::vector<int64_t>& taps, bool argmax) {
     const int64_t B = tokens.size(0);
