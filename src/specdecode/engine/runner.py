@@ -62,7 +62,8 @@ class Runner:
             merge)
 
     def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...], argmax: bool = False) -> ForwardResult:
-        if len(entries) == 1 and self.native_chain and not self.exact and self.model_forward.compiled is None:
+        native = self.native_chain and not self.exact and self.model_forward.compiled is None
+        if len(entries) == 1 and native:
             entry = entries[0]  # one sequence's chain: embedding to logits in one C++ call, where it serves
             if entry.positions is None and entry.tree_mask is None and entry.num_logits <= len(entry.token_ids):
                 out = self.model.forward_chain(entry.token_ids, entry.slot, entry.start, entry.num_logits,
@@ -70,9 +71,8 @@ class Runner:
                 if out is not None:
                     return ForwardResult(out[2], out[0], out[1], [len(entry.token_ids)],
                                          None if out[3] is None else [out[3]])
-        elif self.native_chain and not self.exact and self.model_forward.compiled is None and all(
-                len(e.token_ids) == 1 and e.positions is None and e.tree_mask is None and e.num_logits == 1
-                for e in entries):  # a decode step of several sequences: one C++ call on the lean path, where it serves
+        elif native and all(len(e.token_ids) == 1 and e.positions is None and e.tree_mask is None and e.num_logits == 1
+                            for e in entries):  # a decode step of several sequences: one lean C++ call, where it serves
             out = self.model.forward_decode_batch([e.token_ids[0] for e in entries], [e.slot for e in entries],
                                                   [e.start for e in entries], self.kv_cache, hidden_taps, argmax)
             if out is not None:

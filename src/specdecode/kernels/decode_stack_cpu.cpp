@@ -589,14 +589,17 @@ class Stack {
         x.size(1) != 1 || cos.dim() != 4 || cos.size(0) != B || sin.sizes() != cos.sizes() || !cos.is_contiguous() ||
         !sin.is_contiguous())
       return std::nullopt;
+    // The first sequence as the one-sequence lean path checks it (a one-token batch of its row: what the
+    // rows share), the others' cache rows and columns only.
+    if (slots[0] < 0 || starts[0] < 0 ||
+        !lean_serves(x.select(0, 0).unsqueeze(0), cos.select(0, 0).unsqueeze(0), sin.select(0, 0).unsqueeze(0),
+                     slots[0], slots[0] + 1, starts[0], starts[0] + 1, std::nullopt, std::nullopt))
+      return std::nullopt;
     std::vector<Segment> segments;
     segments.reserve(B);
     for (int64_t b = 0; b < B; ++b) {
-      // Each sequence as the one-sequence lean path checks it: a one-token batch of its row.
       const int64_t slot = slots[b], start = starts[b];
-      if (slot < 0 || start < 0 ||
-          !lean_serves(x.select(0, b).unsqueeze(0), cos.select(0, b).unsqueeze(0), sin.select(0, b).unsqueeze(0), slot,
-                       slot + 1, start, start + 1, std::nullopt, std::nullopt))
+      if (slot < 0 || start < 0 || !lean_serves_columns(x.scalar_type(), slot, start, 1, start + 1))
         return std::nullopt;
       segments.push_back({slot, start, 1, start + 1, b, b});
     }
@@ -644,13 +647,23 @@ class Stack {
         h0.size(2) != first.qkv.in_features)
       return false;
     if (x.size(2) != first.o_proj.out_features) return false;  // every layer's width (the constructor checked)
+    for (const Layer& l : layers_)
+      if (cos.size(3) != l.head_dim) return false;
+    return lean_serves_columns(dtype, slot_begin, write_start, T, num_keys);
+  }
+
+  // The part of `lean_serves` that differs between the sequences of a decode batch: T tokens written at
+  // columns write_start.. of cache row `slot`, attending to [0, num_keys), within every layer's caches
+  // (of this dtype) and the attention kernel's reach.
+  bool lean_serves_columns(at::ScalarType dtype, int64_t slot, int64_t write_start, int64_t T,
+                           int64_t num_keys) const {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const int64_t group = l.num_heads / l.num_kv_heads;
-      if (!attention_kernels::serves(group * T, l.head_dim, num_keys) || cos.size(3) != l.head_dim) return false;
+      if (!attention_kernels::serves(group * T, l.head_dim, num_keys)) return false;
       for (const torch::Tensor* cache : {&k_[i], &v_[i]})
         if (cache->scalar_type() != dtype || cache->dim() != 4 || cache->stride(3) != 1 ||
-            cache->size(2) != l.num_kv_heads || cache->size(3) != l.head_dim || slot_begin >= cache->size(0) ||
+            cache->size(2) != l.num_kv_heads || cache->size(3) != l.head_dim || slot >= cache->size(0) ||
             write_start + T > cache->size(1) || num_keys > cache->size(1))
           return false;
     }

@@ -407,12 +407,9 @@ class LlamaForCausalLM(nn.Module):
         (final-normed hidden [1, T, d], taps, logits [1, num_logits, V] float32, with `argmax` the logits
         rows' argmaxes as a list, else None) bit-identical to `forward` + `compute_logits` of the last
         num_logits tokens; None where that is not served."""
-        if kv_cache.k[0].device.type != "cpu" or torch.compiler.is_compiling():
-            return None
-        stack = native_stack_for(self, NATIVE_TYPES)
-        chain = native_chain_for(self, NATIVE_TYPES) if stack is not None else None
-        return None if chain is None else chain.forward(stack, token_ids, slot, start, num_logits, kv_cache, hidden_taps,
-                                                        argmax)
+        native = self._native_chain(kv_cache)
+        return None if native is None else native[1].forward(native[0], token_ids, slot, start, num_logits, kv_cache,
+                                                             hidden_taps, argmax)
 
     def forward_decode_batch(self, token_ids: list[int], slots: list[int], starts: list[int], kv_cache: KVCache,
                              hidden_taps: tuple[int, ...] = (), argmax: bool = False) -> tuple | None:
@@ -420,12 +417,17 @@ class LlamaForCausalLM(nn.Module):
         C++ call on the stack's lean path (NativeChain.decode_batch): `forward_chain`'s tuple for the batch
         (hidden [B, 1, d], taps, logits [B, 1, V] float32, argmaxes [B] or None), each row bit-identical to
         that sequence's own `forward_chain`; None where that is not served."""
+        native = self._native_chain(kv_cache)
+        return None if native is None else native[1].decode_batch(native[0], token_ids, slots, starts, kv_cache,
+                                                                   hidden_taps, argmax)
+
+    def _native_chain(self, kv_cache: KVCache) -> tuple | None:
+        """(the C++ stack, the NativeChain) that serve a whole forward on this cache, or None."""
         if kv_cache.k[0].device.type != "cpu" or torch.compiler.is_compiling():
             return None
         stack = native_stack_for(self, NATIVE_TYPES)
         chain = native_chain_for(self, NATIVE_TYPES) if stack is not None else None
-        return None if chain is None else chain.decode_batch(stack, token_ids, slots, starts, kv_cache, hidden_taps,
-                                                             argmax)
+        return None if chain is None else (stack, chain)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., vocab] in float32 (sampling needs the precision)."""
