@@ -1,12 +1,17 @@
-"""Decode steps of several sequences with the lean path's batched call on and off, in one engine.
+"""Steps of several sequences with the lean path's batched call on and off, in one engine.
 
-One plain engine decodes 2 x concurrency prompts, round by round in alternating order, with
-`LlamaForCausalLM.forward_decode_batch` served (on) or refused (off: the ragged batch's general path,
-as before it existed); only the engine's decode steps are timed (prefill excluded). `--control` refuses
-nothing in either arm (an A/A run: the spread of the comparison itself). Prints decode tok/s per arm,
-their ratio, and whether every round decoded the same tokens.
+One engine (plain, or speculative with `--speculative-config`) decodes 2 x concurrency prompts, round
+by round in alternating order, with `LlamaForCausalLM.forward_chains` served (on) or refused (off: the
+ragged batch's general path, as before it existed); only the engine's decode steps are timed (plain
+decoding's or speculative ones; prefill excluded). `--refuse verify` refuses only batches in which a
+sequence brings several tokens (verifications; decode steps of one token each still batched: the
+default with a speculative config), `--refuse all` every batch (the default for plain decoding).
+`--control` refuses nothing in either arm (an A/A run: the spread of the comparison itself). Prints
+decode tok/s per arm, their ratio, and whether every round decoded the same tokens.
 
     python benchmarks/decode_batch_ab.py --quantization w4a8 --concurrency 4 [--control]
+    python benchmarks/decode_batch_ab.py --quantization w4a8 --concurrency 4 \
+        --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}' [--control]
 """
 
 from __future__ import annotations
@@ -25,25 +30,36 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="sequences in flight (default 4)")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per arm, alternating (default 4)")
+    parser.add_argument("--speculative-config", default=None, help="JSON, as `specdecode generate` takes it")
+    parser.add_argument("--refuse", choices=("all", "verify"), default=None,
+                        help="what the off arm refuses (default: verify with a speculative config, else all)")
     parser.add_argument("--control", action="store_true", help="both arms batched (A/A)")
     args = parser.parse_args()
+    spec = json.loads(args.speculative_config) if args.speculative_config else None
+    refuse = args.refuse or ("verify" if spec else "all")
 
-    llm = LLM(quantization=args.quantization, max_num_seqs=args.concurrency)
+    llm = LLM(quantization=args.quantization, max_num_seqs=args.concurrency, speculative_config=spec)
     model = llm.runner.model
+    served = model.forward_chains
+
+    def refused(token_ids, *args, **kwargs):  # the off arm's forward_chains: None sends the batch to the general path
+        return None if refuse == "all" or max(map(len, token_ids)) > 1 else served(token_ids, *args, **kwargs)
+
     prompts = load_prompts("humaneval", 2 * args.concurrency)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
     timing = {"on": [0.0, 0], "off": [0.0, 0]}  # arm -> [decode seconds, tokens]
     arm = ["on"]
-    decode = llm._decode
+    step_name = "_speculative" if spec else "_decode"
+    step = getattr(llm, step_name)
 
-    def timed_decode(seqs):
+    def timed_step(seqs):
         start = time.perf_counter()
-        out = decode(seqs)
+        out = step(seqs)
         timing[arm[0]][0] += time.perf_counter() - start
-        timing[arm[0]][1] += len(seqs)
+        timing[arm[0]][1] += sum(map(len, out.token_ids))
         return out
 
-    llm._decode = timed_decode
+    setattr(llm, step_name, timed_step)
     llm.generate(prompts, params)  # warm-up (not counted)
     timing = {"on": [0.0, 0], "off": [0.0, 0]}
     tokens: dict[str, list] = {"on": [], "off": []}
@@ -51,14 +67,15 @@ def main() -> None:
         for name in (["on", "off"] if round_ % 2 == 0 else ["off", "on"]):
             arm[0] = name
             if name == "off" and not args.control:
-                model.forward_decode_batch = lambda *a, **k: None  # refused: the general path
+                model.forward_chains = refused
             else:
-                model.__dict__.pop("forward_decode_batch", None)
+                model.__dict__.pop("forward_chains", None)
             tokens[name].append([o.token_ids for o in llm.generate(prompts, params)])
-    model.__dict__.pop("forward_decode_batch", None)
+    model.__dict__.pop("forward_chains", None)
     rates = {name: round(n / seconds, 1) for name, (seconds, n) in timing.items()}
     print(json.dumps({"concurrency": args.concurrency, "quantization": args.quantization or "none",
-                      "mode": "A/A" if args.control else "A/B", "decode tok/s on": rates["on"],
+                      "speculative_config": spec, "mode": "A/A" if args.control else f"A/B (off refuses {refuse})",
+                      "decode tok/s on": rates["on"],
                       "decode tok/s off": rates["off"], "on/off": round(rates["on"] / rates["off"], 3),
                       "equal": all(run == tokens["on"][0] for runs in tokens.values() for run in runs)}))
 

@@ -41,7 +41,7 @@ def stack_calls(monkeypatch) -> list[int]:
     """The forwards C++ stacks ran: the token counts of whole models' (more than one block, per
     sequence), then (blocks, tokens) of single blocks'; `calls.chains`: the token counts of those that
     ran with their embedding and LM head as one call (a runner's one-sequence forward); `calls.batches`:
-    the batch sizes of decode steps of several sequences that ran as one call on the lean path."""
+    the token counts of each batch of several sequences that ran as one call on the lean path."""
     calls = CallList()
     forward = native_stack.NativeStack.forward
 
@@ -55,25 +55,26 @@ def stack_calls(monkeypatch) -> list[int]:
         return chain_forward(self, chain, cache_k, cache_v, ids, *args)
 
     def counted_batch(self, stack, token_ids, *args):
-        out = decode_batch(self, stack, token_ids, *args)
+        out = forward_batch(self, stack, token_ids, *args)
         if out is not None:  # else the ragged batch runs through NativeStack.forward
-            calls.append(1)
-            calls.batches.append(len(token_ids))
+            calls.append(max(len(row) for row in token_ids))
+            calls.batches.append([len(row) for row in token_ids])
         return out
 
     chain_forward = native_stack.NativeStack.chain_forward
-    decode_batch = native_stack.NativeChain.decode_batch
+    forward_batch = native_stack.NativeChain.forward_batch
     monkeypatch.setattr(native_stack.NativeStack, "forward", counted)
     monkeypatch.setattr(native_stack.NativeStack, "chain_forward", counted_chain)
-    monkeypatch.setattr(native_stack.NativeChain, "decode_batch", counted_batch)
+    monkeypatch.setattr(native_stack.NativeChain, "forward_batch", counted_batch)
     return calls
 
 
 def _steps(vocab: int) -> list[list[ForwardEntry]]:
     """Prefill, a decode step (every query sees every key: no mask), a chain verify (causal mask),
     two sequences decoding side by side, a tree verify (its mask), two sequences at different
-    columns (a ragged batch: written by index), two at rows out of order (read by a gather), and a
-    decode step of two sequences at rows out of order and different columns."""
+    columns (a ragged batch: written by index), two at rows out of order (read by a gather), a
+    decode step of two sequences at rows out of order and different columns, and two verifications
+    of two sequences (chains of 4 and 3 tokens, logits at 4 and 2 of them; 3 and 3)."""
     g = torch.Generator().manual_seed(0)
 
     def ids(n: int) -> list[int]:
@@ -86,7 +87,9 @@ def _steps(vocab: int) -> list[list[ForwardEntry]]:
             [ForwardEntry(0, ids(3), 16, num_logits=3, tree_mask=tree)],
             [ForwardEntry(0, ids(2), 19, num_logits=2), ForwardEntry(1, ids(1), 16)],
             [ForwardEntry(1, ids(1), 17), ForwardEntry(0, ids(2), 21, num_logits=2)],
-            [ForwardEntry(1, ids(1), 18), ForwardEntry(0, ids(1), 23)]]
+            [ForwardEntry(1, ids(1), 18), ForwardEntry(0, ids(1), 23)],
+            [ForwardEntry(0, ids(4), 24, num_logits=4), ForwardEntry(1, ids(3), 19, num_logits=2)],
+            [ForwardEntry(1, ids(3), 22, num_logits=3), ForwardEntry(0, ids(3), 28, num_logits=3)]]
 
 
 def _run(llm: LLM, steps, taps=(0, 1, 2)) -> list:
@@ -94,21 +97,30 @@ def _run(llm: LLM, steps, taps=(0, 1, 2)) -> list:
 
 
 def _assert_bit_identical(ours, theirs) -> None:
+    """Logits whole (padding rows repeat a sequence's last), hidden states and taps at real tokens (a
+    padded batch's padding rows are its padding tokens' states; the lean batch repeats the last row)."""
+    def real(x: torch.Tensor, num_new: list[int]) -> list[torch.Tensor]:
+        return [x[b, :n] for b, n in enumerate(num_new)]
+
+    def equal(x: torch.Tensor, y: torch.Tensor, num_new: list[int]) -> bool:
+        return all(torch.equal(p, q) for p, q in zip(real(x, num_new), real(y, num_new)))
+
     for step, (a, b) in enumerate(zip(ours, theirs)):
-        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden), step
-        assert a.taps.keys() == b.taps.keys() and all(torch.equal(a.taps[i], b.taps[i]) for i in a.taps), step
+        assert a.num_new == b.num_new, step
+        assert torch.equal(a.logits, b.logits) and equal(a.hidden, b.hidden, a.num_new), step
+        assert a.taps.keys() == b.taps.keys() and all(equal(a.taps[i], b.taps[i], a.num_new) for i in a.taps), step
 
 
 def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
     steps = _steps(llm.model.config.vocab_size)
     ours = _run(llm, steps)
-    assert stack_calls == [9, 1, 5, 1, 3, 2, 2, 1]  # every step
+    assert stack_calls == [9, 1, 5, 1, 3, 2, 2, 1, 4, 3]  # every step
     assert stack_calls.chains == [9, 1, 5]  # one sequence's chain: embedding to logits in one C++ call
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
         m.setattr(llama, "native_block_for", lambda *args: None)
         theirs = _run(llm, steps)
-    assert len(stack_calls) == 8
+    assert len(stack_calls) == 10
     _assert_bit_identical(ours, theirs)
 
 
@@ -180,10 +192,10 @@ def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels
     stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
     _compare(llm, stack_calls, monkeypatch)
     # the 9-token prefill, the decode step, the 5-token chain and the 3-token tree: one sequence, at most
-    # 40 query rows per KV head (the prefill has 18); the two decode steps of two sequences (one call each,
-    # embedding to logits); the other ragged batches take the general path
-    assert stack_calls.batches == [2, 2]
-    assert stack.lean_forwards() == 6
+    # 40 query rows per KV head (the prefill has 18); every batch of two sequences' chains as one call
+    # (embedding to logits): decode steps, ragged columns and rows, verifications
+    assert stack_calls.batches == [[1, 1], [2, 1], [1, 2], [1, 1], [4, 3], [3, 3]]
+    assert stack.lean_forwards() == 10
 
 
 @pytest.mark.parametrize("hidden", [320, 384])
@@ -196,7 +208,7 @@ def test_the_lean_path_takes_heads_of_80_and_96(tmp_path, forced_kernels, stack_
     assert llm.model.config.head_dim == hidden // 4
     stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
     _compare(llm, stack_calls, monkeypatch)
-    assert stack_calls.batches == [2, 2] and stack.lean_forwards() == 6
+    assert len(stack_calls.batches) == 6 and stack.lean_forwards() == 10
 
 
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
@@ -266,19 +278,22 @@ def test_exact_mode_autograd_hooks_and_other_batches_keep_the_modules(native_mod
 
 @pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
                                   {"method": "ngram", "num_speculative_tokens": 3, "verify_pruning": "dcut"}])
-def test_decode_steps_of_several_sequences_run_as_one_lean_call_and_equal_each_sequence_alone(
+def test_steps_of_several_sequences_run_as_one_lean_call_and_equal_each_sequence_alone(
         lean_model, forced_kernels, stack_calls, spec):
     """At concurrency, a decode step (every sequence's one next token: plain decoding, or a speculative
-    step where nobody drafted) runs embedding to logits as one C++ call on the lean path: every linear
-    over the batch's rows at once, attention per sequence on its own cache row and length. Each row is
-    that sequence's own forward, so a batch decodes what each request decodes alone (W4A8, bf16)."""
+    step where nobody drafted) and a verification (each sequence's last token and drafts) run embedding
+    to logits as one C++ call on the lean path: every linear over the batch's rows at once, attention
+    per sequence on its own cache row, length and causal mask. Each sequence's rows are its own
+    forward, so a batch decodes what each request decodes alone (W4A8, bf16)."""
     if not gemm_a8_cpu.available("cpu"):
         pytest.skip("the lean path needs AVX-512 VNNI")
     llm = LLM(lean_model, dtype="bfloat16", quantization="w4a8", max_num_seqs=3, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     prompts = ["def f(x):\n    return", "class A:\n", "import os\nprint("]
     together = [o.token_ids for o in llm.generate(prompts, params)]
-    assert 3 in stack_calls.batches  # the three decoding side by side
+    assert [1, 1, 1] in stack_calls.batches  # the three decoding side by side
+    if spec is not None and "verify_pruning" not in spec:  # fixed k: verifications of several tokens too
+        assert any(max(lengths) > 1 for lengths in stack_calls.batches)
     alone = [llm.generate([p], params)[0].token_ids for p in prompts]
     assert together == alone
 

@@ -63,21 +63,20 @@ class Runner:
 
     def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...], argmax: bool = False) -> ForwardResult:
         native = self.native_chain and not self.exact and self.model_forward.compiled is None
-        if len(entries) == 1 and native:
-            entry = entries[0]  # one sequence's chain: embedding to logits in one C++ call, where it serves
-            if entry.positions is None and entry.tree_mask is None and entry.num_logits <= len(entry.token_ids):
+        if native and all(e.positions is None and e.tree_mask is None and 1 <= e.num_logits <= len(e.token_ids)
+                          for e in entries):
+            if len(entries) == 1:  # one sequence's chain: embedding to logits in one C++ call, where it serves
+                entry = entries[0]
                 out = self.model.forward_chain(entry.token_ids, entry.slot, entry.start, entry.num_logits,
                                                self.kv_cache, hidden_taps, argmax)
-                if out is not None:
-                    return ForwardResult(out[2], out[0], out[1], [len(entry.token_ids)],
-                                         None if out[3] is None else [out[3]])
-        elif native and all(len(e.token_ids) == 1 and e.positions is None and e.tree_mask is None and e.num_logits == 1
-                            for e in entries):  # a decode step of several sequences: one lean C++ call, where it serves
-            out = self.model.forward_decode_batch([e.token_ids[0] for e in entries], [e.slot for e in entries],
-                                                  [e.start for e in entries], self.kv_cache, hidden_taps, argmax)
+                choices = None if out is None or out[3] is None else [out[3]]
+            else:  # several sequences' chains (a decode or verification step): one lean C++ call, where it serves
+                out = self.model.forward_chains([e.token_ids for e in entries], [e.slot for e in entries],
+                                                [e.start for e in entries], [e.num_logits for e in entries],
+                                                self.kv_cache, hidden_taps, argmax)
+                choices = None if out is None else out[3]
             if out is not None:
-                return ForwardResult(out[2], out[0], out[1], [1] * len(entries),
-                                     None if out[3] is None else [[choice] for choice in out[3]])
+                return ForwardResult(out[2], out[0], out[1], [len(e.token_ids) for e in entries], choices)
         input_ids, positions, batch = build_attention(
             entries, self.kv_cache.scratch_index, self.model.config.sliding_window, self.device)
         batch.exact = self.exact

@@ -551,10 +551,10 @@ class Stack {
 #if SPECDECODE_LEAN_PATH
     if (rows.slices() && lean_serves(x, cos, sin, slot_begin, slot_end, write_start, num_keys, mask, attn_input)) {
       ++lean_forwards_;
-      const std::vector<Segment> one{{slot_begin, write_start, x.size(1), num_keys, 0, 0}};
-      const bool* mask_p = mask.has_value() ? mask->data_ptr<bool>() : nullptr;
-      if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, one, mask_p, taps, attn_input);
-      return lean_forward<at::BFloat16>(x, cos, sin, one, mask_p, taps, attn_input);
+      const std::vector<Segment> one{
+          {slot_begin, write_start, x.size(1), num_keys, 0, 0, mask.has_value() ? mask->data_ptr<bool>() : nullptr}};
+      if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, one, taps, attn_input);
+      return lean_forward<at::BFloat16>(x, cos, sin, one, taps, attn_input);
     }
 #endif
     const int64_t L = static_cast<int64_t>(layers_.size());
@@ -572,63 +572,97 @@ class Stack {
     return {final_norm_.has_value() ? rms_norm_op(x, *final_norm_, eps_) : x, tapped};
   }
 
-  // B sequences' next token each (a decode step at concurrency B): x [B, 1, d], cos and sin [B, 1, 1, D],
-  // sequence b's token written at column starts[b] of cache row slots[b] and attending to its columns
-  // [0, starts[b]] -> as `forward` of that ragged batch (final-normed output [B, 1, d], taps), on the lean
-  // path: every linear over the B rows at once, attention per sequence on its own row and length (no
-  // gather of the rows, no mask). nullopt where the lean path does not serve it (the caller then runs
-  // the ragged batch through `forward`). Traced at W4A8 on 2 cores: 4 sequences' ragged forward cost
-  // 1.55 ms where one sequence's 5-token forward on the lean path cost 0.70 ms.
-  std::optional<std::pair<torch::Tensor, std::vector<torch::Tensor>>> decode_batch(
-      const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<int64_t>& slots,
-      const std::vector<int64_t>& starts, const std::vector<int64_t>& taps) {
-    TORCH_CHECK(k_.size() == layers_.size(), "no cache bound");
+  // Rows of a lean forward that attend as one sequence: `rows` tokens (rows row_begin.. of the batch's
+  // x, which are the segment's in order) written at columns write_start.. of cache row `slot`,
+  // attending to columns [0, num_keys) under `mask` [rows, num_keys] bool (row-major; nullptr: every
+  // row sees them all); their RoPE at rows rope_row.. of cos and sin's first two dimensions flattened.
+  struct Segment {
+    int64_t slot, write_start, rows, num_keys, row_begin, rope_row;
+    const bool* mask;
+  };
+
+  // A batch of chains as lean-path segments: sequence b's lengths[b] new tokens written at columns
+  // starts[b].. of cache row slots[b], each attending to its row's columns up to its own (engine/ragged.py
+  // _one_chain's causal mask, kept in this stack until its next batch), rows in sequence order; nullopt
+  // where the lean path does not serve one of them (then nothing else is needed to decline the batch).
+  std::optional<std::vector<Segment>> chain_segments(at::ScalarType dtype, const std::vector<int64_t>& slots,
+                                                     const std::vector<int64_t>& starts,
+                                                     const std::vector<int64_t>& lengths) {
 #if SPECDECODE_LEAN_PATH
-    const int64_t B = x.dim() == 3 ? x.size(0) : 0;
-    if (B == 0 || static_cast<int64_t>(slots.size()) != B || static_cast<int64_t>(starts.size()) != B ||
-        x.size(1) != 1 || cos.dim() != 4 || cos.size(0) != B || sin.sizes() != cos.sizes() || !cos.is_contiguous() ||
-        !sin.is_contiguous())
-      return std::nullopt;
-    // The first sequence as the one-sequence lean path checks it (a one-token batch of its row: what the
-    // rows share), the others' cache rows and columns only.
-    if (slots[0] < 0 || starts[0] < 0 ||
-        !lean_serves(x.select(0, 0).unsqueeze(0), cos.select(0, 0).unsqueeze(0), sin.select(0, 0).unsqueeze(0),
-                     slots[0], slots[0] + 1, starts[0], starts[0] + 1, std::nullopt, std::nullopt))
-      return std::nullopt;
+    const size_t B = slots.size();
+    if (!lean_ || layers_.empty() || B == 0 || starts.size() != B || lengths.size() != B) return std::nullopt;
+    int64_t rows = 0, mask_size = 0;
+    for (size_t b = 0; b < B; ++b) {
+      const int64_t n = lengths[b], start = starts[b];
+      if (slots[b] < 0 || start < 0 || n < 1 || !lean_serves_columns(dtype, slots[b], start, n, start + n))
+        return std::nullopt;
+      rows += n;
+      if (n > 1) mask_size += n * (start + n);
+    }
+    if (rows > lean_rows_) return std::nullopt;
+    if (masks_size_ < mask_size) masks_.reset(new bool[masks_size_ = mask_size]);
     std::vector<Segment> segments;
     segments.reserve(B);
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t slot = slots[b], start = starts[b];
-      if (slot < 0 || start < 0 || !lean_serves_columns(x.scalar_type(), slot, start, 1, start + 1))
-        return std::nullopt;
-      segments.push_back({slot, start, 1, start + 1, b, b});
+    bool* mask = masks_.get();
+    for (size_t b = 0, row = 0; b < B; row += lengths[b], ++b) {
+      const int64_t n = lengths[b], start = starts[b], S = start + n;
+      segments.push_back({slots[b], start, n, S, static_cast<int64_t>(row), static_cast<int64_t>(row),
+                          n > 1 ? mask : nullptr});
+      if (n > 1)
+        for (int64_t t = 0; t < n; ++t, mask += S)
+          for (int64_t col = 0; col < S; ++col) mask[col] = col <= start + t;
     }
-    if (B > lean_rows_ || !x.is_contiguous()) return std::nullopt;
+    return segments;
+#else
+    return std::nullopt;
+#endif
+  }
+
+  // The segments' rows as one lean forward: x [1, R, d] (segment after segment), cos and sin
+  // [1, R, 1, D] -> as `forward` of each sequence alone, its rows of the final-normed output [1, R, d]
+  // and of the taps. Every linear runs over the R rows at once, RoPE, the cache writes and attention
+  // per sequence on its own cache row, length and mask (no gather, no padding). nullopt where the lean
+  // path does not serve these inputs (the caller then runs the batch through `forward`). Traced at W4A8
+  // on 2 cores: 4 sequences' one-token ragged forward cost 1.55 ms where one sequence's 5-token lean
+  // forward cost 0.70 ms.
+  std::optional<std::pair<torch::Tensor, std::vector<torch::Tensor>>> lean_batch(
+      const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<Segment>& segments,
+      const std::vector<int64_t>& taps) {
+    TORCH_CHECK(k_.size() == layers_.size(), "no cache bound");
+#if SPECDECODE_LEAN_PATH
+    if (segments.empty() || !lean_serves_rows(x, cos, sin, std::nullopt) ||
+        segments.back().row_begin + segments.back().rows != x.size(1))
+      return std::nullopt;
     ++lean_forwards_;
-    if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, segments, nullptr, taps, std::nullopt);
-    return lean_forward<at::BFloat16>(x, cos, sin, segments, nullptr, taps, std::nullopt);
+    if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, segments, taps, std::nullopt);
+    return lean_forward<at::BFloat16>(x, cos, sin, segments, taps, std::nullopt);
 #else
     return std::nullopt;
 #endif
   }
 
  private:
-  // Rows of a lean forward that attend as one sequence: `rows` tokens (rows row_begin.. of the batch's
-  // x, which are the segment's in order) written at columns write_start.. of cache row `slot`,
-  // attending to columns [0, num_keys) (the one-sequence call: under its mask); their RoPE at rows
-  // rope_row.. of cos and sin's first two dimensions flattened.
-  struct Segment {
-    int64_t slot, write_start, rows, num_keys, row_begin, rope_row;
-  };
 #if SPECDECODE_LEAN_PATH
-  // Whether `lean_forward` serves this call: w8a8 / w4a8 layers (lean_), one sequence in float32 or
-  // bf16 with contiguous inputs, every layer's rows per KV head within the attention kernel's reach,
-  // a mask (if any) [1, 1, T, num_keys] bool, and the columns inside the caches.
+  // Whether `lean_forward` serves this call: one sequence (`lean_serves_rows`) under a mask (if any)
+  // [1, 1, T, num_keys] bool, its columns inside the caches (`lean_serves_columns`).
   bool lean_serves(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, int64_t slot_begin,
                    int64_t slot_end, int64_t write_start, int64_t num_keys, const OptTensor& mask,
                    const OptTensor& attn_input) const {
-    if (!lean_ || layers_.empty() || slot_end - slot_begin != 1 || x.dim() != 3 || x.size(0) != 1 ||
-        !x.is_contiguous() || x.device().type() != at::kCPU)
+    if (slot_end - slot_begin != 1 || !lean_serves_rows(x, cos, sin, attn_input)) return false;
+    const int64_t T = x.size(1);
+    if (mask.has_value() && (mask->scalar_type() != at::kBool || !mask->is_contiguous() || mask->dim() != 4 ||
+                             mask->size(0) != 1 || mask->size(1) != 1 || mask->size(2) != T || mask->size(3) != num_keys))
+      return false;
+    return lean_serves_columns(x.scalar_type(), slot_begin, write_start, T, num_keys);
+  }
+
+  // What every row of a lean forward needs: w8a8 / w4a8 layers (lean_), T rows x [1, T, d] in float32
+  // or bf16 within the lean width, contiguous, cos and sin [1, T, 1, head_dim] of that dtype, and the
+  // first layer's attention input (if any) of the rows' shape.
+  bool lean_serves_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const OptTensor& attn_input) const {
+    if (!lean_ || layers_.empty() || x.dim() != 3 || x.size(0) != 1 || !x.is_contiguous() ||
+        x.device().type() != at::kCPU)
       return false;
     const auto dtype = x.scalar_type();
     const int64_t T = x.size(1);
@@ -638,9 +672,6 @@ class Stack {
     for (const torch::Tensor* t : {&cos, &sin})
       if (t->scalar_type() != dtype || t->dim() != 4 || t->size(0) != 1 || t->size(1) != T || t->stride(3) != 1)
         return false;
-    if (mask.has_value() && (mask->scalar_type() != at::kBool || !mask->is_contiguous() || mask->dim() != 4 ||
-                             mask->size(0) != 1 || mask->size(1) != 1 || mask->size(2) != T || mask->size(3) != num_keys))
-      return false;
     const Layer& first = layers_[0];
     const torch::Tensor& h0 = attn_input.has_value() ? *attn_input : x;
     if (!h0.is_contiguous() || h0.scalar_type() != dtype || h0.dim() != 3 || h0.size(1) != T ||
@@ -649,10 +680,10 @@ class Stack {
     if (x.size(2) != first.o_proj.out_features) return false;  // every layer's width (the constructor checked)
     for (const Layer& l : layers_)
       if (cos.size(3) != l.head_dim) return false;
-    return lean_serves_columns(dtype, slot_begin, write_start, T, num_keys);
+    return true;
   }
 
-  // The part of `lean_serves` that differs between the sequences of a decode batch: T tokens written at
+  // The part of `lean_serves` that differs between the sequences of a batch: T tokens written at
   // columns write_start.. of cache row `slot`, attending to [0, num_keys), within every layer's caches
   // (of this dtype) and the attention kernel's reach.
   bool lean_serves_columns(at::ScalarType dtype, int64_t slot, int64_t write_start, int64_t T,
@@ -672,14 +703,12 @@ class Stack {
 
   // Stack::forward for what lean_serves accepts, on the kernels' functions and plain loops (see the
   // top of this file): the same numbers as layer_forward's ops.
-  // Its rows are the segments' (one sequence's chain, or a decode batch's one row per sequence): the
+  // Its rows are the segments' (one sequence's chain, or a batch's chains, one after the other): the
   // linears and norms run over all T rows at once, RoPE, the cache writes and attention per segment.
-  // `mask` [T, num_keys] bool (row-major, one segment only) or nullptr (every row sees its columns).
   template <typename scalar_t>
   std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_forward(const torch::Tensor& x_in, const torch::Tensor& cos,
                                                                     const torch::Tensor& sin,
                                                                     const std::vector<Segment>& segments,
-                                                                    const bool* mask_p,
                                                                     const std::vector<int64_t>& taps,
                                                                     const OptTensor& attn_input) {
     const int64_t T = x_in.numel() / x_in.size(-1), d = x_in.size(-1), L = static_cast<int64_t>(layers_.size());
@@ -707,7 +736,7 @@ class Stack {
     };
     const scalar_t* cos_p = cos.data_ptr<scalar_t>();
     const scalar_t* sin_p = sin.data_ptr<scalar_t>();
-    const int64_t cos_t = cos.stride(1), sin_t = sin.stride(1);  // a decode batch's: 1 row each, contiguous
+    const int64_t cos_t = cos.stride(1), sin_t = sin.stride(1);  // [1, T, 1, D]: a row's stride
     // x = x + y, rounded to the dtype as PyTorch's add rounds it (a float sum, either order).
     auto add_into_x = [&](const scalar_t* y) {
       for (int64_t j = 0; j < T * d; ++j) x[j] = static_cast<scalar_t>(static_cast<float>(x[j]) + static_cast<float>(y[j]));
@@ -761,7 +790,7 @@ class Stack {
             rope_head(q + row * q_stride + head * D, c, sn, seg_folded + (head * n + t) * D, D);
         }
         scalar_t* seg_attended = attended + r0 * H * D;
-        attention_kernels::attend(seg_folded, 1, KVH, group * n, D, cache_k, ks, cache_v, vs, seg.num_keys, mask_p, n,
+        attention_kernels::attend(seg_folded, 1, KVH, group * n, D, cache_k, ks, cache_v, vs, seg.num_keys, seg.mask, n,
                                   seg_attended);
         if (n > 1)  // [n, H * D] rows (the folded layout is that already for one token)
           for (int64_t t = 0; t < n; ++t)
@@ -887,6 +916,8 @@ class Stack {
   int64_t qkv_width_ = 0, heads_width_ = 0, intermediate_ = 0;  // the widest layer's, sizing lean buffers
   int64_t lean_forwards_ = 0;
   std::vector<char> workspace_;  // lean_forward's buffers (a stack serves one forward at a time)
+  std::unique_ptr<bool[]> masks_;  // chain_segments' causal masks
+  int64_t masks_size_ = 0;
   std::vector<torch::Tensor> k_, v_;
 };
 
@@ -1001,6 +1032,23 @@ torch::Tensor join_normed(const torch::Tensor& a, const OptTensor& a_norm, doubl
 
 std::vector<int64_t> argmax_rows(const torch::Tensor& logits);  // defined after DraftStep
 
+// rows [R, w] of B sequences, lengths[b] rows each in order -> [B, width, w]: sequence b's rows, then
+// copies of its last (a view where every sequence has `width`).
+torch::Tensor pad_segments(const torch::Tensor& rows, const std::vector<int64_t>& lengths, int64_t width) {
+  const int64_t B = static_cast<int64_t>(lengths.size()), w = rows.size(1);
+  if (rows.size(0) == B * width) return rows.view({B, width, w});
+  torch::Tensor out = torch::empty({B, width, w}, rows.options());
+  const int64_t bytes = w * rows.element_size();
+  const char* from = static_cast<const char*>(rows.data_ptr());
+  char* to = static_cast<char*>(out.data_ptr());
+  for (int64_t b = 0; b < B; from += lengths[b] * bytes, ++b) {
+    std::memcpy(to + b * width * bytes, from, lengths[b] * bytes);
+    for (int64_t t = lengths[b]; t < width; ++t)
+      std::memcpy(to + (b * width + t) * bytes, from + (lengths[b] - 1) * bytes, bytes);
+  }
+  return out;
+}
+
 // A model's forward for one sequence's contiguous new tokens as one C++ call (models/native_stack.py
 // NativeChain, for engine/runner.py): embedding, RoPE, the layer stack, then the LM head at the last
 // `num_logits` rows in float32, what Runner._forward computes for such a batch, op for op. Around the
@@ -1030,24 +1078,65 @@ class ChainForward {
     return {hidden, tapped, logits, argmax ? argmax_rows(logits.view({num_logits, -1})) : std::vector<int64_t>{}};
   }
 
-  // B sequences' next token each, tokens [B, 1] int64, sequence b's at column starts[b] of cache row
-  // slots[b] (a decode step at concurrency B: Stack::decode_batch) -> as `forward` per sequence, batched:
-  // (final-normed hidden [B, 1, d], taps, logits [B, 1, V] float32, with `argmax` each row's argmax),
-  // or nullopt where the stack's lean path does not serve the batch.
-  using ChainOutput = std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>>;
-  std::optional<ChainOutput> decode_batch(
-      Stack& stack, const torch::Tensor& tokens, const std::vector<int64_t>& slots, const std::vector<int64_t>& starts,
-      const std::vector<int64_t>& taps, bool argmax) {
-    const int64_t B = tokens.size(0);
-    if (tokens.dim() != 2 || tokens.size(1) != 1 || static_cast<int64_t>(starts.size()) != B) return std::nullopt;
-    const auto x = embed(embedding_, tokens);  // [B, 1, d]
-    const auto [cos, sin] = rope_tables(inv_freq_, attention_factor_, starts, B, 1, x.scalar_type());
-    auto out = stack.decode_batch(x, cos, sin, slots, starts, taps);
+  // B sequences' chains (a decode step at concurrency B, or its verification): tokens [1, R] int64,
+  // sequence b's lengths[b] of them in order, written at columns starts[b].. of cache row slots[b]
+  // (causal), its logits at its last num_logits[b] -> as `forward` per sequence, batched: (final-normed
+  // hidden [B, W, d] and taps [B, W, d], logits [B, N, V] float32, with `argmax` each sequence's
+  // logits rows' argmaxes), W = max lengths, N = max num_logits; a row past a sequence's own holds a
+  // copy of its last (Runner._forward pads logits so). nullopt where the stack's lean path does not serve
+  // the batch (the caller then runs it as a ragged batch).
+  using BatchOutput =
+      std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<std::vector<int64_t>>>;
+  std::optional<BatchOutput> batch(Stack& stack, const torch::Tensor& tokens, const std::vector<int64_t>& slots,
+                                   const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths,
+                                   const std::vector<int64_t>& num_logits, const std::vector<int64_t>& taps,
+                                   bool argmax) {
+    const size_t B = slots.size();
+    if (starts.size() != B || lengths.size() != B || num_logits.size() != B || tokens.dim() != 2 ||
+        tokens.size(0) != 1)
+      return std::nullopt;
+    int64_t rows = 0, width = 0, logit_rows = 0, logit_width = 0;
+    for (size_t b = 0; b < B; ++b) {
+      if (num_logits[b] < 1 || num_logits[b] > lengths[b]) return std::nullopt;
+      rows += lengths[b], width = std::max(width, lengths[b]);
+      logit_rows += num_logits[b], logit_width = std::max(logit_width, num_logits[b]);
+    }
+    if (rows != tokens.size(1)) return std::nullopt;
+    const auto segments = stack.chain_segments(embedding_.scalar_type(), slots, starts, lengths);
+    if (!segments.has_value()) return std::nullopt;
+    std::vector<int64_t> positions;
+    positions.reserve(rows);
+    for (size_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < lengths[b]; ++t) positions.push_back(starts[b] + t);
+    const auto x = embed(embedding_, tokens);  // [1, R, d]
+    const auto [cos, sin] = rope_tables(inv_freq_, attention_factor_, positions, 1, rows, x.scalar_type());
+    auto out = stack.lean_batch(x, cos, sin, *segments, taps);
     if (!out.has_value()) return std::nullopt;
     auto& [hidden, tapped] = *out;
-    const auto logits = head_(hidden.reshape({B, hidden.size(-1)})).view({B, 1, -1}).to(torch::kFloat);
-    return std::make_tuple(hidden, tapped, logits,
-                           argmax ? argmax_rows(logits.view({B, -1})) : std::vector<int64_t>{});
+    const int64_t d = hidden.size(-1);
+    // Each sequence's last num_logits rows (all of them: the hidden states as they are), then the head.
+    torch::Tensor selected = hidden.view({rows, d});
+    if (logit_rows != rows) {
+      selected = torch::empty({logit_rows, d}, hidden.options());
+      const int64_t bytes = d * hidden.element_size();
+      char* to = static_cast<char*>(selected.data_ptr());
+      const char* from = static_cast<const char*>(hidden.data_ptr());
+      for (size_t b = 0, row = 0; b < B; row += lengths[b++]) {
+        std::memcpy(to, from + (row + lengths[b] - num_logits[b]) * bytes, num_logits[b] * bytes);
+        to += num_logits[b] * bytes;
+      }
+    }
+    const auto logits = head_(selected).to(torch::kFloat);  // [logit_rows, V]
+    std::vector<std::vector<int64_t>> choices;
+    if (argmax) {
+      const auto flat = argmax_rows(logits);
+      choices.reserve(B);
+      for (size_t b = 0, row = 0; b < B; row += num_logits[b++])
+        choices.emplace_back(flat.begin() + row, flat.begin() + row + num_logits[b]);
+    }
+    for (auto& t : tapped) t = pad_segments(t.view({rows, d}), lengths, width);
+    return std::make_tuple(pad_segments(hidden.view({rows, d}), lengths, width), tapped,
+                           pad_segments(logits, num_logits, logit_width), choices);
   }
 
  private:
@@ -1412,5 +1501,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<ChainForward>(m, "ChainForward")
       .def(py::init<torch::Tensor, torch::Tensor, double, Linear>())
       .def("forward", &ChainForward::forward)
-      .def("decode_batch", &ChainForward::decode_batch);
+      .def("batch", &ChainForward::batch);
 }

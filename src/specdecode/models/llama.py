@@ -411,15 +411,16 @@ class LlamaForCausalLM(nn.Module):
         return None if native is None else native[1].forward(native[0], token_ids, slot, start, num_logits, kv_cache,
                                                              hidden_taps, argmax)
 
-    def forward_decode_batch(self, token_ids: list[int], slots: list[int], starts: list[int], kv_cache: KVCache,
-                             hidden_taps: tuple[int, ...] = (), argmax: bool = False) -> tuple | None:
-        """B sequences' next token each, token b written at column starts[b] of cache row slots[b], as one
-        C++ call on the stack's lean path (NativeChain.decode_batch): `forward_chain`'s tuple for the batch
-        (hidden [B, 1, d], taps, logits [B, 1, V] float32, argmaxes [B] or None), each row bit-identical to
-        that sequence's own `forward_chain`; None where that is not served."""
+    def forward_chains(self, token_ids: list[list[int]], slots: list[int], starts: list[int], num_logits: list[int],
+                       kv_cache: KVCache, hidden_taps: tuple[int, ...] = (), argmax: bool = False) -> tuple | None:
+        """B sequences' contiguous new tokens (sequence b's written at columns starts[b].. of cache row
+        slots[b]; its logits at its last num_logits[b]) as one C++ call on the stack's lean path
+        (NativeChain.forward_batch): `forward_chain`'s tuple for the batch (hidden [B, W, d], taps, logits
+        [B, N, V] float32, padded with copies of a sequence's last row; each sequence's argmaxes or None),
+        each sequence's rows bit-identical to its own `forward_chain`; None where that is not served."""
         native = self._native_chain(kv_cache)
-        return None if native is None else native[1].decode_batch(native[0], token_ids, slots, starts, kv_cache,
-                                                                   hidden_taps, argmax)
+        return None if native is None else native[1].forward_batch(native[0], token_ids, slots, starts, num_logits,
+                                                                    kv_cache, hidden_taps, argmax)
 
     def _native_chain(self, kv_cache: KVCache) -> tuple | None:
         """(the C++ stack, the NativeChain) that serve a whole forward on this cache, or None."""

@@ -215,17 +215,20 @@ class NativeChain:
                                                               num_logits, taps, argmax)
         return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None
 
-    def decode_batch(self, stack: NativeStack, token_ids: list[int], slots: list[int], starts: list[int], kv_cache,
-                     hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
-        """B sequences' next token each (token b at column starts[b] of cache row slots[b]): `forward`'s
-        tuple for the batch (hidden [B, 1, d], taps, logits [B, 1, V] float32, argmaxes [B] or None), or
-        None where the stack's lean path does not serve it (the ragged batch's Python path then runs)."""
+    def forward_batch(self, stack: NativeStack, token_ids: list[list[int]], slots: list[int], starts: list[int],
+                      num_logits: list[int], kv_cache, hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
+        """B sequences' new tokens (sequence b's token_ids[b] written at columns starts[b].. of cache row
+        slots[b], causal; its logits at its last num_logits[b]): `forward`'s tuple for the batch (hidden
+        [B, W, d], taps, logits [B, N, V] float32 padded as Runner._forward pads them, each sequence's
+        argmaxes or None), or None where the stack's lean path does not serve it (the ragged batch's
+        Python path then runs)."""
         if torch.is_grad_enabled() or any(self._hooks) or not stack.serves(self.dtype):
             return None
         taps = list(hidden_taps)
-        ids = torch.tensor(token_ids, dtype=torch.long)[:, None]
+        ids = torch.tensor([[t for row in token_ids for t in row]], dtype=torch.long)
         stack.bind(kv_cache.k, kv_cache.v)
-        out = self._chain.decode_batch(stack._stack, ids, slots, starts, taps, argmax)
+        out = self._chain.batch(stack._stack, ids, slots, starts, [len(row) for row in token_ids], num_logits, taps,
+                                argmax)
         if out is None:
             return None
         hidden, tapped, logits, choices = out
