@@ -102,14 +102,15 @@ def test_a_catch_up_split_from_its_batch_keeps_greedy_output(native_model, train
     from specdecode.engine import ragged
 
     splits = []
-    original = ragged.length_groups
+    original = ragged.LengthGrouping.run
 
-    def spy(lengths, overhead):
-        groups = original(lengths, overhead)
-        splits.append(len(groups))
-        return groups
+    def spy(self, entries, forward, merge=None):
+        calls = []
+        out = original(self, entries, lambda group: calls.append(group) or forward(group), merge)
+        splits.append(len(calls))
+        return out
 
-    monkeypatch.setattr(ragged, "length_groups", spy)
+    monkeypatch.setattr(ragged.LengthGrouping, "run", spy)
     long_prompt = {"prompt_token_ids": [3 + (7 * i) % 300 for i in range(180)]}
     prompts = [PROMPTS[0], {"prompt_token_ids": [9, 10]}, long_prompt]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (12, 30, 16)]

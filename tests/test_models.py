@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdecode import LLM, SamplingParams
-from specdecode.engine.ragged import ForwardEntry
+from specdecode.engine.ragged import ForwardEntry, LengthGrouping
 from specdecode.engine.runner import Runner
 from specdecode.errors import ModelLoadError, TokenizerMismatchError, UnsupportedModelError
 from specdecode.models.loader import load_model
@@ -147,6 +147,36 @@ def test_length_groups_split_only_where_padding_costs_more_than_a_forward():
     assert sorted(i for g in groups for i in g) == list(range(6))
     cost = sum(64 + len(g) * max(lengths[i] for i in g) for g in groups)
     assert cost == 64 * 3 + 2 * 25 + 2 * 120 + 2 * 310  # the optimum: short, middle, long
+
+
+def test_prompts_prefilled_together_equal_each_prompt_alone(lean_model):
+    """On a CPU, a prompt too wide for the cached attention kernel (group x T query rows past its reach)
+    runs as a forward of its own: PyTorch's flash kernel, which serves it, rounds a row by the padded
+    key count beside it, so prompts prefilled together used to decode otherwise than alone. Each
+    prompt's logits, hidden states and cache are bit for bit its own forward's; the control, one
+    padded forward (the grouping without the rule), differs."""
+    from specdecode.kernels import attention_cpu
+    if attention_cpu.max_rows() is None:
+        pytest.skip("the cached attention kernel is not built here")
+    model = load_model(lean_model, torch.bfloat16)
+    prompts = [list(range(3, 3 + n)) for n in (40, 27, 2)]
+    equal = {}
+    for grouping in ("split", "padded"):
+        together = Runner(model, 3, 64, torch.bfloat16, torch.device("cpu"))
+        if grouping == "padded":
+            together.grouping = LengthGrouping(together.grouping.overhead_tokens)
+        assert (together.grouping.alone_from is not None) == (grouping == "split")
+        result = together.forward([ForwardEntry(b, p, 0) for b, p in enumerate(prompts)])
+        alone = Runner(model, 3, 64, torch.bfloat16, torch.device("cpu"))
+        same = []
+        for b, p in enumerate(prompts):
+            own = alone.forward([ForwardEntry(b, p, 0)])
+            same.append(torch.equal(result.logits[b, :1], own.logits[0]) and
+                        torch.equal(result.hidden[b, :len(p)], own.hidden[0]))
+        caches = [*zip(together.kv_cache.k, alone.kv_cache.k), *zip(together.kv_cache.v, alone.kv_cache.v)]
+        equal[grouping] = same + [all(torch.equal(x, y) for x, y in caches)]
+    assert all(equal["split"])
+    assert not all(equal["padded"])
 
 
 def test_ragged_forward_in_groups_equals_one_padded_forward(native_model):

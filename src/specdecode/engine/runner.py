@@ -41,7 +41,9 @@ class Runner:
         self.dtype = dtype
         self.max_len = max_len
         self.kv_cache = KVCache(model.config, num_slots, max_len, dtype, device)
-        self.grouping = LengthGrouping.for_device(device)  # when a ragged batch is split into several forwards
+        # when a ragged batch is split into several forwards (a query head's group: the attention kernel's reach)
+        self.grouping = LengthGrouping.for_device(device, model.config.num_attention_heads
+                                                  // model.config.num_key_value_heads)
         self.native_chain = True  # one sequence's chain in one C++ call where served; False: always Python (A/B)
         self.forward_argmax = True  # such a call takes the argmax asked for; False: the caller takes it (A/B)
 

@@ -73,5 +73,6 @@ TORCH_LIBRARY(specdecode_attn, m) {
 TORCH_LIBRARY_IMPL(specdecode_attn, CPU, m) { m.impl("cached_attention", &cached_attention); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // Nothing here: the op is registered with the dispatcher above (torch.ops.specdecode_attn).
+  // The op is registered with the dispatcher above (torch.ops.specdecode_attn); this only says its reach.
+  m.attr("max_rows") = attention_kernels::kMaxRows;
 }

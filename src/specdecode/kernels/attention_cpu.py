@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from specdecode.kernels.build import optional_extension
+from specdecode.kernels.build import load_extension, optional_extension
 
 SOURCE = Path(__file__).with_name("attention_cpu.cpp")
 REQUIRED_FLAGS = {"avx2", "fma"}
@@ -26,6 +26,13 @@ def available() -> bool:
     """Whether the op is built here (once per process; a failed build is logged and PyTorch's serves)."""
     return optional_extension("attention_cpu", SOURCE, "SPECDECODE_ATTENTION_KERNEL", REQUIRED_FLAGS,
                               "PyTorch's attention serves instead") is not None
+
+
+def max_rows() -> int | None:
+    """The most query rows per KV head (group x tokens) the op computes itself, or None without it.
+    Past them (prefill widths), PyTorch's flash kernel serves, and it rounds a row by the padded key
+    count beside it: a prompt prefilled beside a longer one would then decode otherwise than alone."""
+    return load_extension("attention_cpu", SOURCE).max_rows if available() else None
 
 
 def serves(q: torch.Tensor) -> bool:
