@@ -486,6 +486,14 @@ struct CacheRows {
   }
 };
 
+// engine/ragged.py _one_chain's causal mask for T new tokens at cache columns start..: mask [T, start + T]
+// (row-major), token t seeing columns .. start + t.
+void causal_mask(bool* mask, int64_t start, int64_t T) {
+  const int64_t S = start + T;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t col = 0; col < S; ++col) mask[t * S + col] = col <= start + t;
+}
+
 class Stack {
  public:
   // cached_attention: attention by specdecode_attn::cached_attention (as the modules where it is built),
@@ -608,9 +616,10 @@ class Stack {
       const int64_t n = lengths[b], start = starts[b], S = start + n;
       segments.push_back({slots[b], start, n, S, static_cast<int64_t>(row), static_cast<int64_t>(row),
                           n > 1 ? mask : nullptr});
-      if (n > 1)
-        for (int64_t t = 0; t < n; ++t, mask += S)
-          for (int64_t col = 0; col < S; ++col) mask[col] = col <= start + t;
+      if (n > 1) {
+        causal_mask(mask, start, n);
+        mask += n * S;
+      }
     }
     return segments;
 #else
@@ -972,12 +981,10 @@ ChainRope chain_rope(const torch::Tensor& inv_freq, double attention_factor, int
   std::iota(positions.begin(), positions.end(), start);
   auto [cos, sin] = rope_tables(inv_freq, attention_factor, positions, 1, T, dtype);
   const int64_t S = start + T;
-  OptTensor mask;  // engine/ragged.py _one_chain's causal mask: token t sees columns .. start + t
+  OptTensor mask;  // none for one token: it sees every column
   if (T > 1) {
     mask = torch::empty({1, 1, T, S}, torch::TensorOptions().dtype(torch::kBool));
-    bool* m = mask->data_ptr<bool>();
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t col = 0; col < S; ++col) m[t * S + col] = col <= start + t;
+    causal_mask(mask->data_ptr<bool>(), start, T);
   }
   return {cos, sin, mask};
 }
