@@ -385,7 +385,7 @@ class LLM:
         entries = [ForwardEntry(s.slot, [s.last_token_id], start=s.num_cached) for s in seqs]
         batch = self._sampling_batch(seqs)
         result = self.runner.forward(entries, argmax=batch.raw_argmax)
-        tokens = sample_host(result.logits, batch, None if result.argmax is None else [row[0] for row in result.argmax])
+        tokens = sample_host(result.logits, batch, result.first_choices())
         return StepOutput(seqs, [[t] for t in tokens], [1] * len(seqs),
                           logprobs=_plain_logprobs(seqs, result.logits, batch, tokens))
 

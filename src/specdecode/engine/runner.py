@@ -25,9 +25,15 @@ class ForwardResult:
     hidden: torch.Tensor  # [B, T, d] final-normed hidden states of all new tokens (padded)
     taps: dict[int, torch.Tensor]  # layer -> [B, T, d]
     num_new: list[int]  # T_i per entry
-    # A one-sequence forward asked for `argmax` and served in one C++ call: its logits rows' torch.argmax
-    # [[N ints]], taken while the logits were in the caches (else None: take them from `logits`).
+    # A forward asked for `argmax` and served in one C++ call (one sequence, or a lean batch): each entry's
+    # logits rows' torch.argmax [[N_b ints]], taken while the logits were in the caches (else None: take
+    # them from `logits`).
     argmax: list[list[int]] | None = None
+
+    def first_choices(self) -> list[int] | None:
+        """Each entry's argmax at its first logits row (a one-token step's greedy token), where the forward
+        took them; else None."""
+        return None if self.argmax is None else [row[0] for row in self.argmax]
 
 
 class Runner:
@@ -51,7 +57,7 @@ class Runner:
     def forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...] = (),
                 argmax: bool = False) -> ForwardResult:
         """The entries' forward; `argmax`: the caller will take the raw logits' argmax (greedy rows
-        without adjustments), which a one-sequence C++ forward then computes (`ForwardResult.argmax`)."""
+        without adjustments), which a forward served in one C++ call then computes (`ForwardResult.argmax`)."""
         def merge(parts: list[ForwardResult], groups: list[list[int]]) -> ForwardResult:
             return ForwardResult(
                 logits=merge_rows([p.logits for p in parts], groups),

@@ -180,8 +180,7 @@ class Speculator:
         streams stay batch-independent."""
         skip_uniform_draws(self.k, sampling.generators, self.target.device)
         # The token as plain decoding samples it (`sample_host`: greedy argmaxes straight to the host).
-        choices = None if result.argmax is None else [row[0] for row in result.argmax]
-        rows = [[token] for token in sample_host(result.logits, sampling, choices)]
+        rows = [[token] for token in sample_host(result.logits, sampling, result.first_choices())]
         return Verified.from_host(rows, [0] * len(rows), result.logits.device)
 
     def _empty_draft(self, batch_size: int) -> Draft:
