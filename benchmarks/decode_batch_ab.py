@@ -6,6 +6,9 @@ ragged batch's general path, as before it existed); only the engine's decode ste
 decoding's or speculative ones; prefill excluded). `--refuse verify` refuses only batches in which a
 sequence brings several tokens (verifications; decode steps of one token each still batched: the
 default with a speculative config), `--refuse all` every batch (the default for plain decoding).
+`--refuse drafting` keeps every forward batched and refuses the drafter's batched C++ drafting step
+instead (`_batch_step` of EAGLE / EAGLE-3 / MTP and draft models: the Python step drafts batches of
+several sequences).
 `--control` refuses nothing in either arm (an A/A run: the spread of the comparison itself). Prints
 decode tok/s per arm, their ratio, and whether every round decoded the same tokens.
 
@@ -31,8 +34,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per arm, alternating (default 4)")
     parser.add_argument("--speculative-config", default=None, help="JSON, as `specdecode generate` takes it")
-    parser.add_argument("--refuse", choices=("all", "verify"), default=None,
-                        help="what the off arm refuses (default: verify with a speculative config, else all)")
+    parser.add_argument("--refuse", choices=("all", "verify", "drafting"), default=None,
+                        help="what the off arm refuses (default: verify with a speculative config, else all; "
+                             "drafting: batched C++ drafting steps)")
     parser.add_argument("--control", action="store_true", help="both arms batched (A/A)")
     args = parser.parse_args()
     spec = json.loads(args.speculative_config) if args.speculative_config else None
@@ -41,6 +45,9 @@ def main() -> None:
     llm = LLM(quantization=args.quantization, max_num_seqs=args.concurrency, speculative_config=spec)
     model = llm.runner.model
     served = model.forward_chains
+    proposer = llm.speculator.proposer if spec else None
+    if refuse == "drafting" and not hasattr(proposer, "_batch_step"):
+        parser.error("--refuse drafting needs a drafter's speculative config (eagle, eagle3, mtp, draft_model)")
 
     def refused(token_ids, *args, **kwargs):  # the off arm's forward_chains: None sends the batch to the general path
         return None if refuse == "all" or max(map(len, token_ids)) > 1 else served(token_ids, *args, **kwargs)
@@ -66,10 +73,15 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name in (["on", "off"] if round_ % 2 == 0 else ["off", "on"]):
             arm[0] = name
-            if name == "off" and not args.control:
+            off = name == "off" and not args.control
+            if off and refuse == "drafting":
+                proposer._batch_step = lambda first, sampling: None
+            elif off:
                 model.forward_chains = refused
             else:
                 model.__dict__.pop("forward_chains", None)
+                if proposer is not None:
+                    proposer.__dict__.pop("_batch_step", None)
             tokens[name].append([o.token_ids for o in llm.generate(prompts, params)])
     model.__dict__.pop("forward_chains", None)
     rates = {name: round(n / seconds, 1) for name, (seconds, n) in timing.items()}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -42,9 +43,25 @@ def native_steps(monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.fixture
+def batch_steps(monkeypatch) -> list[int]:
+    """The batch size of each drafting step of several sequences that ran as one C++ call."""
+    sizes: list[int] = []
+    batch = NativeStack.draft_batch
+
+    def counted(self, step, cache_k, cache_v, ids, features, slots, *args):
+        out = batch(self, step, cache_k, cache_v, ids, features, slots, *args)
+        if out is not None:
+            sizes.append(len(slots))
+        return out
+
+    monkeypatch.setattr(NativeStack, "draft_batch", counted)
+    return sizes
+
+
 def _drafting(llm: LLM, prompts: list[str], params: SamplingParams, probs: list | None = None
               ) -> tuple[list, list, torch.Tensor]:
-    """(outputs, every proposal's (tokens, confidences), the drafter's KV cache afterwards); each
+    """(outputs, every proposal's (tokens, confidences), the drafter's K cache afterwards); each
     proposal's q (or None) appended to `probs` where given."""
     proposer = llm.speculator.proposer
     drafts = []
@@ -63,7 +80,24 @@ def _drafting(llm: LLM, prompts: list[str], params: SamplingParams, probs: list 
     finally:
         del proposer.propose
     cache = proposer.kv_cache if hasattr(proposer, "kv_cache") else proposer.runner.kv_cache
-    return outputs, drafts, torch.stack([k.clone() for k in cache.k])
+    # Its columns but the scratch column (where a padded batch's padding tokens write).
+    return outputs, drafts, torch.stack([k[:, :cache.scratch_index].clone() for k in cache.k])
+
+
+def _token_frequencies(model: Path, path: Path) -> list[int]:
+    """Random token counts over the model's vocabulary, written to `path` (draft_vocab_frequencies)."""
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    counts = torch.randint(1, 1000, (vocab,), generator=torch.Generator().manual_seed(0)).tolist()
+    path.write_text(json.dumps({"counts": counts}))
+    return counts
+
+
+def _force_lean_widths(monkeypatch) -> None:
+    """bf16 layers with the few-row bf16 kernel forced up to 16 rows (no measurement, no cache)."""
+    monkeypatch.setattr(kernel_probe, "faster_by_width",
+                        lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
+    monkeypatch.setattr(kernel_probe, "load_choices", dict)
+    monkeypatch.setattr(kernel_probe, "save_choices", lambda cached: None)
 
 
 def _python_steps(llm: LLM) -> LLM:
@@ -108,9 +142,7 @@ def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters,
         pytest.skip("the lean path needs AVX-512 VNNI")
     if quantization is None and not gemv_cpu.fits(128, torch.bfloat16, "cpu"):
         pytest.skip("the few-row bf16 kernel needs AVX-512 BF16")
-    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda candidate, baseline, k, dtype, widths: [True] * len(widths))
-    monkeypatch.setattr(kernel_probe, "load_choices", dict)
-    monkeypatch.setattr(kernel_probe, "save_choices", lambda cached: None)
+    _force_lean_widths(monkeypatch)
     spec = {"method": method, "num_speculative_tokens": 3, "model": str(lean_drafters[method]),
             "draft_quantization": quantization or "none"}  # bf16: the drafter's layers too (not its w4a8 default)
     llm = LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec)
@@ -122,6 +154,40 @@ def test_lean_steps_draft_what_the_python_steps_draft(lean_model, lean_drafters,
     llm_python = _python_steps(LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec))
     _assert_same_drafting(ours, _drafting(llm_python, [PROMPT], params))
     assert len(native_steps) == count
+
+
+@pytest.mark.parametrize("method,extra", [("eagle3", {}), ("mtp", {"verify_pruning": "dcut"}), ("draft_model", {}),
+                                          ("draft_model", {"draft_vocab_size": 100})])
+@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w8a8"), ("bfloat16", None)])
+def test_steps_of_several_sequences_draft_in_one_call_what_the_python_steps_draft(
+        lean_model, lean_drafters, batch_steps, monkeypatch, tmp_path, method, extra, dtype, quantization):
+    # Three greedy requests in flight: each drafting step of the batch is one lean forward of the
+    # drafter (each sequence a segment) and one head call, the tokens picked in C++; with D-Cut's stop
+    # rule asked between the steps; for a draft model with a reduced draft head too (FR-Spec: the
+    # runner's batched forward does not serve one).
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the lean path needs AVX-512 VNNI")
+    if quantization is None and not gemv_cpu.fits(128, torch.bfloat16, "cpu"):
+        pytest.skip("the few-row bf16 kernel needs AVX-512 BF16")
+    _force_lean_widths(monkeypatch)
+    clock = {"ticks": iter(range(10**9))}  # D-Cut decides on step times: both runs read the same clock
+    monkeypatch.setattr(speculator, "time", types.SimpleNamespace(perf_counter=lambda: next(clock["ticks"]) * 1e-3))
+    if "draft_vocab_size" in extra:
+        _token_frequencies(lean_model, tmp_path / "freq.json")
+        extra = {**extra, "draft_vocab_frequencies": str(tmp_path / "freq.json")}
+    spec = {"method": method, "num_speculative_tokens": 3, "model": str(lean_drafters[method]),
+            "draft_quantization": quantization or "none", **extra}
+    prompts = [PROMPT, "class A:\n    def", "import os\n"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(lean_model, dtype=dtype, quantization=quantization, max_num_seqs=3, speculative_config=spec)
+    ours = _drafting(llm, prompts, params)
+    assert batch_steps and max(batch_steps) == 3
+    count = len(batch_steps)
+    clock["ticks"] = iter(range(10**9))
+    llm_python = _python_steps(LLM(lean_model, dtype=dtype, quantization=quantization, max_num_seqs=3,
+                                   speculative_config=spec))
+    _assert_same_drafting(ours, _drafting(llm_python, prompts, params))
+    assert len(batch_steps) == count  # the Python steps ran none
 
 
 @pytest.mark.parametrize("extra", [{"draft_p_min": 0.035}, {"verify_pruning": "dcut"}])
@@ -157,9 +223,7 @@ def test_a_frequency_ranked_draft_vocabulary_is_served_too(native_model, native_
     # FR-Spec: the head cut to its 100 most frequent tokens (a ReducedHead, ids ascending), for every
     # proposal or (greedy_draft_vocab_size) for greedy ones only: one LLM serves greedy, sampled and
     # greedy requests again, each proposal through the C++ step of its own head.
-    vocab = json.loads((native_model / "config.json").read_text())["vocab_size"]
-    counts = torch.randint(1, 1000, (vocab,), generator=torch.Generator().manual_seed(0)).tolist()
-    (tmp_path / "freq.json").write_text(json.dumps({"counts": counts}))
+    counts = _token_frequencies(native_model, tmp_path / "freq.json")
     drafter = native_drafter if method == "draft_model" else trained_drafters[method]
     spec = {"method": method, "num_speculative_tokens": 3, "model": str(drafter),
             key: 100, "draft_vocab_frequencies": str(tmp_path / "freq.json")}

@@ -628,23 +628,23 @@ class Stack {
   }
 
   // The segments' rows as one lean forward: x [1, R, d] (segment after segment), cos and sin
-  // [1, R, 1, D] -> as `forward` of each sequence alone, its rows of the final-normed output [1, R, d]
-  // and of the taps. Every linear runs over the R rows at once, RoPE, the cache writes and attention
-  // per sequence on its own cache row, length and mask (no gather, no padding). nullopt where the lean
-  // path does not serve these inputs (the caller then runs the batch through `forward`). Traced at W4A8
-  // on 2 cores: 4 sequences' one-token ragged forward cost 1.55 ms where one sequence's 5-token lean
-  // forward cost 0.70 ms.
+  // [1, R, 1, D] (and the first layer's attention input, EAGLE-3's) -> as `forward` of each sequence
+  // alone, its rows of the final-normed output [1, R, d] and of the taps. Every linear runs over the
+  // R rows at once, RoPE, the cache writes and attention per sequence on its own cache row, length and
+  // mask (no gather, no padding). nullopt where the lean path does not serve these inputs (the caller
+  // then runs the batch through `forward`). Traced at W4A8 on 2 cores: 4 sequences' one-token ragged
+  // forward cost 1.55 ms where one sequence's 5-token lean forward cost 0.70 ms.
   std::optional<std::pair<torch::Tensor, std::vector<torch::Tensor>>> lean_batch(
       const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const std::vector<Segment>& segments,
-      const std::vector<int64_t>& taps) {
+      const std::vector<int64_t>& taps, const OptTensor& attn_input = std::nullopt) {
     TORCH_CHECK(k_.size() == layers_.size(), "no cache bound");
 #if SPECDECODE_LEAN_PATH
-    if (segments.empty() || !lean_serves_rows(x, cos, sin, std::nullopt) ||
+    if (segments.empty() || !lean_serves_rows(x, cos, sin, attn_input) ||
         segments.back().row_begin + segments.back().rows != x.size(1))
       return std::nullopt;
     ++lean_forwards_;
-    if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, segments, taps, std::nullopt);
-    return lean_forward<at::BFloat16>(x, cos, sin, segments, taps, std::nullopt);
+    if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, segments, taps, attn_input);
+    return lean_forward<at::BFloat16>(x, cos, sin, segments, taps, attn_input);
 #else
     return std::nullopt;
 #endif
@@ -975,6 +975,14 @@ std::pair<torch::Tensor, torch::Tensor> rope_tables(const torch::Tensor& inv_fre
   return {cos, sin};
 }
 
+// The position of every row of chains of lengths[b] tokens from starts[b], chain after chain.
+std::vector<int64_t> chain_positions(const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths) {
+  std::vector<int64_t> positions;
+  for (size_t b = 0; b < starts.size(); ++b)
+    for (int64_t t = 0; t < lengths[b]; ++t) positions.push_back(starts[b] + t);
+  return positions;
+}
+
 ChainRope chain_rope(const torch::Tensor& inv_freq, double attention_factor, int64_t start, int64_t T,
                      at::ScalarType dtype) {
   std::vector<int64_t> positions(T);
@@ -1111,12 +1119,9 @@ class ChainForward {
     if (rows != tokens.size(1)) return std::nullopt;
     const auto segments = stack.chain_segments(embedding_.scalar_type(), slots, starts, lengths);
     if (!segments.has_value()) return std::nullopt;
-    std::vector<int64_t> positions;
-    positions.reserve(rows);
-    for (size_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < lengths[b]; ++t) positions.push_back(starts[b] + t);
     const auto x = embed(embedding_, tokens);  // [1, R, d]
-    const auto [cos, sin] = rope_tables(inv_freq_, attention_factor_, positions, 1, rows, x.scalar_type());
+    const auto [cos, sin] = rope_tables(inv_freq_, attention_factor_, chain_positions(starts, lengths), 1, rows,
+                                        x.scalar_type());
     auto out = stack.lean_batch(x, cos, sin, *segments, taps);
     if (!out.has_value()) return std::nullopt;
     auto& [hidden, tapped] = *out;
@@ -1210,6 +1215,45 @@ class DraftStep {
     return {out, token_id(best), top};
   }
 
+  // B sequences' next drafting step as one lean forward, greedy: sequence b feeds lengths[b] of tokens
+  // [1, R] (and of features [1, R, d]) at drafter positions starts[b].. of cache row slots[b], causal
+  // -> (o at each sequence's last position [B, d], each one's drafted token and its probability): `step`
+  // of each sequence alone, batched (the linears and the head over every row at once). nullopt where the
+  // stack's lean path does not serve the batch (the caller then runs the Python step).
+  std::optional<std::tuple<torch::Tensor, std::vector<int64_t>, std::vector<double>>> batch(
+      Stack& layers, const torch::Tensor& tokens, const OptTensor& features, const std::vector<int64_t>& slots,
+      const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths) {
+    const size_t B = slots.size();
+    if (tokens.dim() != 2 || tokens.size(0) != 1 || starts.size() != B || lengths.size() != B) return std::nullopt;
+    const int64_t R = tokens.size(1);
+    if (std::accumulate(lengths.begin(), lengths.end(), int64_t{0}) != R) return std::nullopt;
+    const auto segments = layers.chain_segments(embedding_.scalar_type(), slots, starts, lengths);
+    if (!segments.has_value()) return std::nullopt;
+    const auto [cos, sin] =
+        rope_tables(inv_freq_, attention_factor_, chain_positions(starts, lengths), 1, R, embedding_.scalar_type());
+    const auto [x, attn_input] = inputs(tokens, features);
+    const auto out = layers.lean_batch(x, cos, sin, *segments, {}, attn_input);
+    if (!out.has_value()) return std::nullopt;
+    const torch::Tensor& o = out->first;  // [1, R, d]
+    const int64_t d = o.size(-1), bytes = d * o.element_size();
+    torch::Tensor last = torch::empty({static_cast<int64_t>(B), d}, o.options());
+    const char* from = static_cast<const char*>(o.data_ptr());
+    char* to = static_cast<char*>(last.data_ptr());
+    for (size_t b = 0; b < B; ++b)
+      std::memcpy(to + b * bytes, from + ((*segments)[b].row_begin + lengths[b] - 1) * bytes, bytes);
+    const auto scores = head_scores(last);  // [B, n]
+    std::vector<int64_t> drafted(B);
+    std::vector<double> tops(B);
+    const int64_t n = scores.size(-1);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, scores.scalar_type(), "draft_pick", [&] {
+      for (size_t b = 0; b < B; ++b) {
+        const auto [best, top] = pick(scores.data_ptr<scalar_t>() + b * n, n);
+        drafted[b] = token_id(best), tops[b] = top;
+      }
+    });
+    return std::make_tuple(last, drafted, tops);
+  }
+
   // Up to max_steps steps in one call (no Python between them): the first as `step` with tokens and
   // features at `start`, step s + 1 feeding the token drafted at s (and the drafter's output at its
   // last position) at position next_start + s. Greedy, or, with temperature > 0, sampled: q =
@@ -1287,23 +1331,27 @@ class DraftStep {
                                                   int64_t slot, int64_t start) {
     const int64_t T = tokens.size(1), S = start + T;
     const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, embedding_.scalar_type());
-    // The drafter's forward (speculative/propose/drafters/eagle/model.py).
-    const auto e = embed(embedding_, tokens);  // [1, T, d]
-    torch::Tensor x;
-    OptTensor attn_input;
-    if (!features.has_value()) {
-      x = e;
-    } else if (attn_input_) {  // attention reads cat(norm(e), norm(f)); f is the residual
-      x = *features;
-      attn_input = join_normed(e, embed_norm_, embed_eps_, x, feature_norm_, feature_eps_);
-    } else {  // x = fc(cat(e', f')), normed where a norm is given
-      x = (*fc_)(join_normed(e, embed_norm_, embed_eps_, *features, feature_norm_, feature_eps_));
-    }
+    const auto [x, attn_input] = inputs(tokens, features);
     const auto out = layers.forward(x, rope.cos, rope.sin, slot, slot + 1, start, S, rope.mask, {}, attn_input).first;
-    // The head at the last position (EagleProposer.vocab_logits; a draft model's compute_logits).
-    auto h = out.select(1, T - 1);  // [1, d]
+    return {out, head_scores(out.select(1, T - 1))};  // [1, n]
+  }
+
+  // The drafter's input rows (speculative/propose/drafters/eagle/model.py) from tokens [1, T] and
+  // features [1, T, d] -> (x, what the first layer's attention reads where not its input norm of x).
+  std::pair<torch::Tensor, OptTensor> inputs(const torch::Tensor& tokens, const OptTensor& features) const {
+    const auto e = embed(embedding_, tokens);  // [1, T, d]
+    if (!features.has_value()) return {e, std::nullopt};
+    if (attn_input_)  // attention reads cat(norm(e), norm(f)); f is the residual
+      return {*features, join_normed(e, embed_norm_, embed_eps_, *features, feature_norm_, feature_eps_)};
+    // x = fc(cat(e', f')), normed where a norm is given
+    return {(*fc_)(join_normed(e, embed_norm_, embed_eps_, *features, feature_norm_, feature_eps_)), std::nullopt};
+  }
+
+  // The head over the drafter's outputs at the positions it drafts after, h [R, d] -> scores [R, n]
+  // (EagleProposer.vocab_logits; a draft model's compute_logits).
+  torch::Tensor head_scores(torch::Tensor h) const {
     if (head_norm_.has_value()) h = rms_norm_op(h, *head_norm_, head_eps_);
-    return {out, head_(h.reshape({-1, h.size(-1)})).contiguous()};  // [1, n]
+    return head_(h.reshape({-1, h.size(-1)})).contiguous();
   }
 
   // A scored row's token id (a reduced head maps it).
@@ -1504,6 +1552,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<torch::Tensor, torch::Tensor, double, bool, OptTensor, double, OptTensor, double,
                     std::optional<Linear>, OptTensor, double, Linear, OptTensor>())
       .def("step", &DraftStep::step)
+      .def("batch", &DraftStep::batch)
       .def("chain", &DraftStep::chain);
   py::class_<ChainForward>(m, "ChainForward")
       .def(py::init<torch::Tensor, torch::Tensor, double, Linear>())

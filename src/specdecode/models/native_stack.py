@@ -143,6 +143,12 @@ class NativeStack:
         self.bind(cache_k, cache_v)
         return step.chain(self._stack, *args)
 
+    def draft_batch(self, step, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
+        """A C++ DraftStep's greedy step of several sequences (one lean forward) through these layers on
+        this cache: step.batch(layers, *args), None where the lean path does not serve it."""
+        self.bind(cache_k, cache_v)
+        return step.batch(self._stack, *args)
+
     def chain_forward(self, chain, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
         """A C++ ChainForward (`NativeChain`) through this stack on this cache: chain.forward(stack, *args)."""
         self.bind(cache_k, cache_v)

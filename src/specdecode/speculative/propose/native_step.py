@@ -17,13 +17,18 @@ to `process_logits`' up to rounding) and draws with the row's proposal uniforms
 way, and the same tokens wherever the two q agree to the last bit (where they do not, both are
 exact draws from the q they record, which is what verification reads).
 
-Served for one sequence that is greedy in an all-greedy, unadjusted batch (`ChainDraft.one_hot`), or
-sampled with a temperature alone (no top-k, top-p, min_p, adjustment, grammar or key), outside autograd
-and `torch.compile`, where the layers are served by the C++ stack (models/native_stack.py), the
-drafter is a standard variant (not the target's own MTP layers), the embedding and the norms are
-plain modules in the activations' dtype, the head is a linear layer the stack computes (or a
-`ReducedHead` over one, its token ids ascending), and no forward hook sits on a module the step
-stands for. Anything else runs the Python step, as before.
+Several sequences of an all-greedy, unadjusted batch (`ChainDraft.one_hot`) draft a step at a time,
+each step one C++ call over all of them (`draft_batch`: one lean forward of the layers, each sequence
+a segment with its own cache row and causal mask, then one head call over their last rows), where
+the stack's lean path serves the batch (else that step runs the Python step).
+
+The whole chain in one call is served for one sequence that is greedy in an all-greedy, unadjusted
+batch, or sampled with a temperature alone (no top-k, top-p, min_p, adjustment, grammar or key).
+Either is served outside autograd and `torch.compile`, where the layers are served by the C++ stack
+(models/native_stack.py), the drafter is a standard variant (not the target's own MTP layers), the
+embedding and the norms are plain modules in the activations' dtype, the head is a linear layer the
+stack computes (or a `ReducedHead` over one, its token ids ascending), and no forward hook sits on a
+module the step stands for. Anything else runs the Python step, as before.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdecode.engine.ragged import ForwardEntry
 from specdecode.kernels import decode_stack_cpu
 from specdecode.models.layers import RotaryEmbedding
 from specdecode.models.llama import NATIVE_TYPES, LlamaForCausalLM
@@ -151,6 +157,31 @@ class NativeDraftStep:
             if features is not None:
                 features = out[:, -1:]
         return max_tokens[row]
+
+    def batch_drafter(self, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor],
+                      features: torch.Tensor | None = None):
+        """`draft_batch` through the layers serving now, on this cache: (entries, features) -> its result
+        or None; None where the layers do not serve (features: one of the batch's, for its dtype)."""
+        layers = self.layers_serving(features)
+        if layers is None:
+            return None
+        return lambda entries, step_features: self.draft_batch(layers, cache_k, cache_v, entries, step_features)
+
+    def draft_batch(self, layers: NativeStack, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor],
+                    entries: list[ForwardEntry], features: list[torch.Tensor] | None) -> tuple | None:
+        """One greedy drafting step of several sequences: entry b's tokens (and features[b] [T_b, d])
+        at drafter positions entry.start.. of its slot -> (o at each entry's last position [B, d], the
+        drafted tokens, their probabilities), or None where the lean path does not serve the batch."""
+        ids = torch.tensor([[t for entry in entries for t in entry.token_ids]], dtype=torch.long)
+        joined = None if features is None else torch.cat(features)[None]  # [1, R, d]
+        return layers.draft_batch(self._step, cache_k, cache_v, ids, joined, [e.slot for e in entries],
+                                  [e.start for e in entries], [len(e.token_ids) for e in entries])
+
+
+def native_batch_served(sampling: SamplingBatch, device: torch.device, compiled: bool, enabled: bool) -> bool:
+    """Whether a proposal of several sequences may draft through `NativeDraftStep.draft_batch`: an
+    all-greedy, unadjusted batch on a CPU, eager, the proposer's `native_drafting` on."""
+    return ChainDraft.one_hot(sampling) and device.type == "cpu" and not compiled and enabled
 
 
 def native_temperature(active: list[int], sampling: SamplingBatch, chain: ChainDraft, device: torch.device,

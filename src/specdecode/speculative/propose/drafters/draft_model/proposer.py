@@ -23,7 +23,7 @@ from specdecode.models.native_stack import current_or_rebuilt
 from specdecode.sampling import SamplingBatch
 from specdecode.speculative.propose.chain import ChainDraft
 from specdecode.speculative.propose.draft_vocab import draft_heads
-from specdecode.speculative.propose.native_step import NativeDraftStep, native_temperature
+from specdecode.speculative.propose.native_step import NativeDraftStep, native_batch_served, native_temperature
 from specdecode.speculative.propose.proposer import Draft, ProposerBase, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -65,6 +65,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         self._native: dict[bool, tuple] = {}
         self.native_drafting = True  # False: always the Python step (A/B measurements)
 
+    @torch.inference_mode()  # the C++ steps serve no autograd
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         k = max(max_tokens)
         chain = ChainDraft(max_tokens, self.model.config.vocab_size, self.device, self.p_min, stop)
@@ -81,11 +82,16 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
             entries[b] = ForwardEntry(seq.slot, seq.token_ids[state.num_cached:], start=state.num_cached)
         if self._draft_natively(seqs, active, entries, chain, max_tokens, sampling, greedy):
             return chain.result()
+        batch_step = self._batch_step(sampling, greedy)
         for step in range(k):
             if not active:
                 break
-            result = self.runner.forward([entries[b] for b in active])
-            chosen = chain.add_step(active, step, result.logits[:, 0], sampling)
+            step_entries = [entries[b] for b in active]
+            drafted = batch_step(step_entries, None) if batch_step is not None else None
+            if drafted is None:  # the Python step
+                chosen = chain.add_step(active, step, self.runner.forward(step_entries).logits[:, 0], sampling)
+            else:
+                chosen = chain.record(active, step, drafted[1], drafted[2])
             token = dict(zip(active, chosen))
             active = chain.continuing(step, active, chosen, max_tokens)
             for b in active:
@@ -94,6 +100,22 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
                 self.state(seq).num_fed = step + 1
         return chain.result()
 
+    def _native_step(self, greedy: bool) -> NativeDraftStep | None:
+        """The draft model's step over this proposal's head as one C++ call (None: not served), rebuilt
+        when its modules changed."""
+        self._native[greedy] = current_or_rebuilt(self._native.get(greedy),
+                                                  lambda watch: NativeDraftStep.for_draft_model(self.model, watch))
+        return self._native[greedy][1]
+
+    def _batch_step(self, sampling: SamplingBatch, greedy: bool):
+        """A greedy batch's drafting step of several sequences as one C++ call (native_step.py
+        `draft_batch`: entries -> (o, tokens, probabilities) or None), where served: the runner's
+        batched forward does not serve a reduced draft head, and picks the tokens in Python."""
+        if not native_batch_served(sampling, self.device, self.compiled, self.native_drafting):
+            return None
+        native = self._native_step(greedy)
+        return None if native is None else native.batch_drafter(self.runner.kv_cache.k, self.runner.kv_cache.v)
+
     @torch.inference_mode()
     def _draft_natively(self, seqs, active: list[int], entries: dict[int, ForwardEntry], chain: ChainDraft,
                         max_tokens: list[int], sampling: SamplingBatch, greedy: bool) -> bool:
@@ -101,9 +123,7 @@ class DraftModelProposer(ProposerBase[DraftModelState]):
         temperature = native_temperature(active, sampling, chain, self.device, self.compiled, self.native_drafting)
         if temperature is None:
             return False
-        self._native[greedy] = current_or_rebuilt(self._native.get(greedy),
-                                                  lambda watch: NativeDraftStep.for_draft_model(self.model, watch))
-        native, (b,) = self._native[greedy][1], active
+        native, (b,) = self._native_step(greedy), active
         layers = native.layers_serving() if native is not None and entries[b].token_ids else None
         if layers is None:
             return False

@@ -21,7 +21,7 @@ from specdecode.speculative.propose.drafters.eagle.model import BuiltinMtpDrafte
 from specdecode.speculative.propose.draft_vocab import draft_heads
 from specdecode.speculative.propose.dynamic_tree import propose_dynamic_tree
 from specdecode.speculative.propose.features import TargetFeatureBuffer
-from specdecode.speculative.propose.native_step import NativeDraftStep, native_temperature
+from specdecode.speculative.propose.native_step import NativeDraftStep, native_batch_served, native_temperature
 from specdecode.speculative.propose.proposer import Draft, ProposerContext
 from specdecode.speculative.propose.registry import register
 from specdecode.speculative.propose.resolve import check_fits_target, drafter_quantization, resolve_drafter_dir
@@ -166,6 +166,15 @@ class EagleProposer(TargetFeatureBuffer):
                      sampling.generators[active[0]])
         return True
 
+    def _batch_step(self, first, sampling: SamplingBatch):
+        """A greedy batch's drafting step of several sequences as one C++ call (native_step.py
+        `draft_batch`: (entries, features) -> (o [A, d], tokens, probabilities) or None), where served."""
+        if not native_batch_served(sampling, self.device, self.compiled, self.native_drafting) or not first:
+            return None
+        native, cache = self._native_step(), self.drafter.cache_arguments(self.kv_cache, 0)
+        return None if native is None else native.batch_drafter([cache["cache_k"]], [cache["cache_v"]],
+                                                                next(iter(first.values()))[1])
+
     @torch.inference_mode()
     def propose(self, seqs, max_tokens, sampling: SamplingBatch, stop=None) -> Draft:
         self.greedy_proposal = ChainDraft.one_hot(sampling)
@@ -177,14 +186,21 @@ class EagleProposer(TargetFeatureBuffer):
         first = self._catch_up(seqs, active)
         if self._draft_natively(seqs, active, first, chain, max_tokens, sampling):
             return chain.result()
+        batch_step = self._batch_step(first, sampling)
         entries = {b: e for b, (e, _) in first.items()}
         feats = {b: f for b, (_, f) in first.items()}
         for step in range(k):
             if not active:
                 break
             self.draft_step = step
-            out = self._forward_last([entries[b] for b in active], [feats[b] for b in active])  # [A, d]
-            chosen = chain.add_step(active, step, self.vocab_logits(out), sampling)
+            step_entries, step_feats = [entries[b] for b in active], [feats[b] for b in active]
+            drafted = batch_step(step_entries, step_feats) if batch_step is not None else None
+            if drafted is None:  # the Python step
+                out = self._forward_last(step_entries, step_feats)  # [A, d]
+                chosen = chain.add_step(active, step, self.vocab_logits(out), sampling)
+            else:
+                out, tokens, tops = drafted
+                chosen = chain.record(active, step, tokens, tops)
             row = {b: i for i, b in enumerate(active)}
             active = chain.continuing(step, active, chosen, max_tokens)
             for b in active:
