@@ -8,7 +8,9 @@ sequence brings several tokens (verifications; decode steps of one token each st
 default with a speculative config), `--refuse all` every batch (the default for plain decoding).
 `--refuse drafting` keeps every forward batched and refuses the drafter's batched C++ drafting step
 instead (`_batch_step` of EAGLE / EAGLE-3 / MTP and draft models: the Python step drafts batches of
-several sequences).
+several sequences). `--refuse wide` refuses batches of more rows than a bf16 model's measured lean
+width (`LlamaForCausalLM.lean_rows`), which the lean path did not serve before its linears ran the
+layers' own op past that width (the narrowest bf16 layer's few-row width where none was measured).
 `--control` refuses nothing in either arm (an A/A run: the spread of the comparison itself). Prints
 decode tok/s per arm, their ratio, and whether every round decoded the same tokens.
 
@@ -25,6 +27,7 @@ import time
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.prompts import load_prompts
+from specdecode.models.inference import PackedLinear
 
 
 def main() -> None:
@@ -34,9 +37,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4, help="rounds per arm, alternating (default 4)")
     parser.add_argument("--speculative-config", default=None, help="JSON, as `specdecode generate` takes it")
-    parser.add_argument("--refuse", choices=("all", "verify", "drafting"), default=None,
+    parser.add_argument("--refuse", choices=("all", "verify", "drafting", "wide"), default=None,
                         help="what the off arm refuses (default: verify with a speculative config, else all; "
-                             "drafting: batched C++ drafting steps)")
+                             "drafting: batched C++ drafting steps; wide: batches wider than the lean width)")
     parser.add_argument("--control", action="store_true", help="both arms batched (A/A)")
     args = parser.parse_args()
     spec = json.loads(args.speculative_config) if args.speculative_config else None
@@ -49,7 +52,15 @@ def main() -> None:
     if refuse == "drafting" and not hasattr(proposer, "_batch_step"):
         parser.error("--refuse drafting needs a drafter's speculative config (eagle, eagle3, mtp, draft_model)")
 
+    # The lean width: measured (lean_rows), else the narrowest bf16 layer's few-row kernel width.
+    few_rows = [m.few_rows[-1] for m in model.model.layers.modules() if isinstance(m, PackedLinear) and m.few_rows]
+    width = model.lean_rows or min(few_rows, default=0)
+    if refuse == "wide" and not width:
+        parser.error("--refuse wide needs bf16 layers with the few-row kernel (no --quantization)")
+
     def refused(token_ids, *args, **kwargs):  # the off arm's forward_chains: None sends the batch to the general path
+        if refuse == "wide":
+            return None if sum(map(len, token_ids)) > width else served(token_ids, *args, **kwargs)
         return None if refuse == "all" or max(map(len, token_ids)) > 1 else served(token_ids, *args, **kwargs)
 
     prompts = load_prompts("humaneval", 2 * args.concurrency)

@@ -11,7 +11,7 @@ from specdecode import LLM, SamplingParams
 from specdecode.engine.ragged import ForwardEntry
 from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int8_cpu
 from specdecode.models import kernel_probe, llama, native_stack, wide_kernels
-from specdecode.models.inference import can_pack, detach_few_row_kernels
+from specdecode.models.inference import PackedLinear, can_pack, detach_few_row_kernels
 from specdecode.models.quant import QuantizedLinear
 from specdecode.models.layers import AttentionBatch
 
@@ -196,6 +196,34 @@ def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels
     # (embedding to logits): decode steps, ragged columns and rows, verifications
     assert stack_calls.batches == [[1, 1], [2, 1], [1, 2], [1, 1], [4, 3], [3, 3]]
     assert stack.lean_forwards() == 10
+
+
+def test_the_lean_path_runs_a_bf16_layers_own_op_past_the_lean_width(lean_model, forced_kernels, stack_calls,
+                                                                       monkeypatch):
+    # bf16 layers whose few-row kernel serves 2 rows: wider forwards and batches still take the lean path,
+    # each linear past 2 rows on the layer's own op (oneDNN's matmul), as the modules compute it.
+    if not gemv_cpu.fits(128, torch.bfloat16, "cpu") or not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the lean path's bf16 layers need AVX-512 BF16")
+    llm = LLM(lean_model, dtype="bfloat16", max_num_seqs=2)
+    layers = [m for m in llm.model.model.layers.modules() if isinstance(m, PackedLinear)]
+    assert layers and all(m.few_rows is not None for m in layers)
+    for layer in layers:
+        layer.few_rows = (layer.few_rows[0], 2)
+    llm.model.lean_rows = 0  # the layers' own widths: 2
+    stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
+    _compare(llm, stack_calls, monkeypatch)
+    assert stack_calls.batches == [[1, 1], [2, 1], [1, 2], [1, 1], [4, 3], [3, 3]]
+    assert stack.lean_forwards() == 10
+
+    def logits():  # a 9-token forward, then a one-token one after it
+        return [llm.runner.forward([entry]).logits.clone() for entry in (ForwardEntry(0, list(range(5, 14)), 0, 9),
+                                                                         ForwardEntry(0, [7], 9))]
+
+    before = logits()
+    layer = llm.model.model.layers[0].mlp.gate_up
+    layer.few_rows[0].mul_(1.01)  # the few-row kernel's copy of the weights only
+    wide, one = logits()
+    assert torch.equal(wide, before[0]) and not torch.equal(one, before[1])  # 9 rows ran on oneDNN, 1 on the kernel
 
 
 @pytest.mark.parametrize("hidden", [320, 384])

@@ -10,12 +10,14 @@ down 8, gate_up 2} a 3-token forward took 2.9 ms and a 9-token one 4.7 ms; with 
 on the kernel, 1.75 and 3.4 ms (one token: 1.4-1.8 ms either way), and n-gram decoding ran 1.23-1.32x
 faster. A shape timed alone does not see what its choice costs the forward around it.
 
-So, where the layers' own widths leave the lean path narrower than 16 tokens, whole forwards at
-each wider width are timed both ways (alternating rounds, the fastest of each, as
-`models/kernel_probe.py` times a shape), and the lean path is widened up to the width before the
-first one at which the layers' own widths measured faster every time (`LlamaForCausalLM.lean_rows`).
-Only the lean path is widened: batched forwards (several sequences) keep each layer's own choice. The result is cached with the kernel
-choices (per CPU, thread count and kernel build), so a start measures it once.
+So, where the layers' own widths leave the lean path's few-row kernel narrower than 16 tokens, whole
+forwards at each wider width are timed both ways (alternating rounds, the fastest of each, as
+`models/kernel_probe.py` times a shape), and the lean path gives every layer the kernel up to the
+width before the first one at which the layers' own widths measured faster every time
+(`LlamaForCausalLM.lean_rows`). Past that width the lean path still serves, each linear on its
+layer's own op at that width (oneDNN's matmul; thirty-seventh pass: before, wider forwards took the
+general path). The result is cached with the kernel choices (per CPU, thread count and kernel build),
+so a start measures it once.
 """
 
 from __future__ import annotations

@@ -497,9 +497,10 @@ void causal_mask(bool* mask, int64_t start, int64_t T) {
 class Stack {
  public:
   // cached_attention: attention by specdecode_attn::cached_attention (as the modules where it is built),
-  // else PyTorch's scaled_dot_product_attention. lean_rows > 0: the lean path serves up to that many
-  // tokens, its bf16 layers on the few-row kernel whatever width their modules take it to (a width
-  // measured on whole forwards, engine/lean_width.py); 0: up to the narrowest layer's kernel width.
+  // else PyTorch's scaled_dot_product_attention. The lean path calls every layer's kernel directly up
+  // to its lean width and runs the layer's own op past it (`linear_rows`): lean_rows > 0, that many
+  // rows, its bf16 layers on the few-row kernel whatever width their modules take it to (a width
+  // measured on whole forwards, engine/lean_width.py); 0: the narrowest layer's kernel width.
   Stack(std::vector<Layer> layers, OptTensor final_norm, double eps, bool cached_attention, int64_t lean_rows = 0)
       : layers_(std::move(layers)), final_norm_(std::move(final_norm)), eps_(eps),
         cached_attention_(cached_attention), lean_(SPECDECODE_LEAN_PATH && cached_attention) {
@@ -599,15 +600,13 @@ class Stack {
 #if SPECDECODE_LEAN_PATH
     const size_t B = slots.size();
     if (!lean_ || layers_.empty() || B == 0 || starts.size() != B || lengths.size() != B) return std::nullopt;
-    int64_t rows = 0, mask_size = 0;
+    int64_t mask_size = 0;
     for (size_t b = 0; b < B; ++b) {
       const int64_t n = lengths[b], start = starts[b];
       if (slots[b] < 0 || start < 0 || n < 1 || !lean_serves_columns(dtype, slots[b], start, n, start + n))
         return std::nullopt;
-      rows += n;
       if (n > 1) mask_size += n * (start + n);
     }
-    if (rows > lean_rows_) return std::nullopt;
     if (masks_size_ < mask_size) masks_.reset(new bool[masks_size_ = mask_size]);
     std::vector<Segment> segments;
     segments.reserve(B);
@@ -665,9 +664,10 @@ class Stack {
     return lean_serves_columns(x.scalar_type(), slot_begin, write_start, T, num_keys);
   }
 
-  // What every row of a lean forward needs: w8a8 / w4a8 layers (lean_), T rows x [1, T, d] in float32
-  // or bf16 within the lean width, contiguous, cos and sin [1, T, 1, head_dim] of that dtype, and the
-  // first layer's attention input (if any) of the rows' shape.
+  // What every row of a lean forward needs: w8a8 / w4a8 layers or bf16 ones with the few-row kernel's
+  // layout (lean_), T rows x [1, T, d] in float32 or bf16 (bf16 only for bf16 layers), contiguous, cos
+  // and sin [1, T, 1, head_dim] of that dtype, and the first layer's attention input (if any) of the
+  // rows' shape.
   bool lean_serves_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                         const OptTensor& attn_input) const {
     if (!lean_ || layers_.empty() || x.dim() != 3 || x.size(0) != 1 || !x.is_contiguous() ||
@@ -675,8 +675,7 @@ class Stack {
       return false;
     const auto dtype = x.scalar_type();
     const int64_t T = x.size(1);
-    if ((dtype != at::kFloat && dtype != at::kBFloat16) || T == 0 || T > lean_rows_ ||
-        (lean_bf16_only_ && dtype != at::kBFloat16))
+    if ((dtype != at::kFloat && dtype != at::kBFloat16) || T == 0 || (lean_bf16_only_ && dtype != at::kBFloat16))
       return false;
     for (const torch::Tensor* t : {&cos, &sin})
       if (t->scalar_type() != dtype || t->dim() != 4 || t->size(0) != 1 || t->size(1) != T || t->stride(3) != 1)
@@ -760,7 +759,7 @@ class Stack {
         input = attn_input->data_ptr<scalar_t>();
       else
         rms_kernels::rms_norm_rows(x, l.input_norm.data_ptr<scalar_t>(), h, T, d, static_cast<float>(l.eps));
-      l.qkv.direct(input, T, qkv);
+      linear_rows(l.qkv, input, T, qkv, options);
       // q, k and v of token t: qkv + t * W at 0, H * D and (H + KVH) * D; their norms (Qwen3) per head.
       const scalar_t* q = qkv;
       const scalar_t* k = qkv + H * D;
@@ -811,10 +810,10 @@ class Stack {
       }
       // One segment of one token: its attention's output is the row (no copy).
       const scalar_t* rows = segments.size() == 1 && T == 1 ? attended : attn_rows;
-      l.o_proj.direct(rows, T, projected);
+      linear_rows(l.o_proj, rows, T, projected, options);
       add_into_x(projected);
       rms_kernels::rms_norm_rows(x, l.post_norm.data_ptr<scalar_t>(), h, T, d, static_cast<float>(l.eps));
-      l.gate_up.direct(h, T, gate_up);
+      linear_rows(l.gate_up, h, T, gate_up, options);
       // silu(gate) by PyTorch's op (its exp), then times up rounded as its mul_ rounds.
       torch::Tensor act_t = at::from_blob(act, {T, I}, options);
       at::silu_out(act_t, at::from_blob(gate_up, {T, I}, {2 * I, 1}, options));
@@ -823,7 +822,7 @@ class Stack {
         const scalar_t* up = gate_up + t * 2 * I + I;
         for (int64_t j = 0; j < I; ++j) a[j] = static_cast<scalar_t>(static_cast<float>(a[j]) * static_cast<float>(up[j]));
       }
-      l.down.direct(act, T, projected);
+      linear_rows(l.down, act, T, projected, options);
       add_into_x(projected);
     }
     tap(L);
@@ -834,6 +833,18 @@ class Stack {
     else
       std::memcpy(out.data_ptr<scalar_t>(), x, T * d * sizeof(scalar_t));
     return {out, tapped};
+  }
+
+  // y [T, out] = linear(x [T, in]): its kernel called directly within the lean width, past it the
+  // layer's own op at that width, as its module runs it (a bf16 layer's oneDNN matmul, which the
+  // few-row kernel measured slower than there: engine/lean_width.py), its output copied into y.
+  template <typename scalar_t>
+  void linear_rows(const Linear& linear, const scalar_t* x, int64_t T, scalar_t* y,
+                   const at::TensorOptions& options) const {
+    if (T <= lean_rows_) return linear.direct(x, T, y);
+    const torch::Tensor out =
+        linear(at::from_blob(const_cast<scalar_t*>(x), {T, linear.in_features}, options)).contiguous();
+    std::memcpy(y, out.data_ptr<scalar_t>(), T * linear.out_features * sizeof(scalar_t));
   }
 
   // A fresh tensor of these sizes holding rows of a buffer.
@@ -920,7 +931,7 @@ class Stack {
   double eps_;
   bool cached_attention_;
   bool lean_;  // the cached attention kernel serves and every layer's linears have direct kernels (lean_rows_ > 0)
-  int64_t lean_rows_ = INT64_MAX;  // the most new tokens every layer's direct kernels serve
+  int64_t lean_rows_ = INT64_MAX;  // the most rows the lean path gives every layer's kernel directly
   bool lean_bf16_only_ = false;    // some layer's direct kernel is the bf16 one
   int64_t qkv_width_ = 0, heads_width_ = 0, intermediate_ = 0;  // the widest layer's, sizing lean buffers
   int64_t lean_forwards_ = 0;
