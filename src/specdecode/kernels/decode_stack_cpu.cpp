@@ -1058,6 +1058,22 @@ torch::Tensor join_normed(const torch::Tensor& a, const OptTensor& a_norm, doubl
 
 std::vector<int64_t> argmax_rows(const torch::Tensor& logits);  // defined after DraftStep
 
+// rows [R, w] of B sequences, lengths[b] rows each in order -> the last counts[b] rows of each, in
+// order [sum counts, w].
+torch::Tensor tail_rows(const torch::Tensor& rows, const std::vector<int64_t>& lengths,
+                        const std::vector<int64_t>& counts) {
+  const int64_t total = std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  torch::Tensor out = torch::empty({total, rows.size(1)}, rows.options());
+  const int64_t bytes = rows.size(1) * rows.element_size();
+  const char* from = static_cast<const char*>(rows.data_ptr());
+  char* to = static_cast<char*>(out.data_ptr());
+  for (size_t b = 0; b < lengths.size(); from += lengths[b++] * bytes) {
+    std::memcpy(to, from + (lengths[b] - counts[b]) * bytes, counts[b] * bytes);
+    to += counts[b] * bytes;
+  }
+  return out;
+}
+
 // rows [R, w] of B sequences, lengths[b] rows each in order -> [B, width, w]: sequence b's rows, then
 // copies of its last (a view where every sequence has `width`).
 torch::Tensor pad_segments(const torch::Tensor& rows, const std::vector<int64_t>& lengths, int64_t width) {
@@ -1138,17 +1154,8 @@ class ChainForward {
     auto& [hidden, tapped] = *out;
     const int64_t d = hidden.size(-1);
     // Each sequence's last num_logits rows (all of them: the hidden states as they are), then the head.
-    torch::Tensor selected = hidden.view({rows, d});
-    if (logit_rows != rows) {
-      selected = torch::empty({logit_rows, d}, hidden.options());
-      const int64_t bytes = d * hidden.element_size();
-      char* to = static_cast<char*>(selected.data_ptr());
-      const char* from = static_cast<const char*>(hidden.data_ptr());
-      for (size_t b = 0, row = 0; b < B; row += lengths[b++]) {
-        std::memcpy(to, from + (row + lengths[b] - num_logits[b]) * bytes, num_logits[b] * bytes);
-        to += num_logits[b] * bytes;
-      }
-    }
+    const auto flat = hidden.view({rows, d});
+    const auto selected = logit_rows == rows ? flat : tail_rows(flat, lengths, num_logits);
     const auto logits = head_(selected).to(torch::kFloat);  // [logit_rows, V]
     std::vector<std::vector<int64_t>> choices;
     if (argmax) {
@@ -1246,12 +1253,7 @@ class DraftStep {
     const auto out = layers.lean_batch(x, cos, sin, *segments, {}, attn_input);
     if (!out.has_value()) return std::nullopt;
     const torch::Tensor& o = out->first;  // [1, R, d]
-    const int64_t d = o.size(-1), bytes = d * o.element_size();
-    torch::Tensor last = torch::empty({static_cast<int64_t>(B), d}, o.options());
-    const char* from = static_cast<const char*>(o.data_ptr());
-    char* to = static_cast<char*>(last.data_ptr());
-    for (size_t b = 0; b < B; ++b)
-      std::memcpy(to + b * bytes, from + ((*segments)[b].row_begin + lengths[b] - 1) * bytes, bytes);
+    const auto last = tail_rows(o.view({R, o.size(-1)}), lengths, std::vector<int64_t>(B, 1));  // [B, d]
     const auto scores = head_scores(last);  // [B, n]
     std::vector<int64_t> drafted(B);
     std::vector<double> tops(B);

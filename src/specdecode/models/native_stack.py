@@ -124,35 +124,33 @@ class NativeStack:
         self._k: list[torch.Tensor] = []  # the caches bound to the C++ stack
         self._v: list[torch.Tensor] = []
 
-    def bind(self, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor]) -> None:
-        """Make these (one K and one V per block) the caches the C++ stack reads and writes."""
+    def bind(self, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor]):
+        """Make these (one K and one V per block) the caches the C++ stack reads and writes; returns the
+        C++ stack (what a C++ step or chain call takes)."""
         if len(cache_k) != len(self._k) or not all(map(operator.is_, cache_k, self._k)) \
                 or not all(map(operator.is_, cache_v, self._v)):
             self._stack.bind_cache(list(cache_k), list(cache_v))
             self._k, self._v = list(cache_k), list(cache_v)
+        return self._stack
 
     def draft_step(self, step, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
         """A C++ DraftStep (speculative/propose/native_step.py) through these layers on this cache:
         step.step(layers, *args)."""
-        self.bind(cache_k, cache_v)
-        return step.step(self._stack, *args)
+        return step.step(self.bind(cache_k, cache_v), *args)
 
     def draft_chain(self, step, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
         """A C++ DraftStep's greedy chain (several steps, one call) through these layers on this cache:
         step.chain(layers, *args)."""
-        self.bind(cache_k, cache_v)
-        return step.chain(self._stack, *args)
+        return step.chain(self.bind(cache_k, cache_v), *args)
 
     def draft_batch(self, step, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
         """A C++ DraftStep's greedy step of several sequences (one lean forward) through these layers on
         this cache: step.batch(layers, *args), None where the lean path does not serve it."""
-        self.bind(cache_k, cache_v)
-        return step.batch(self._stack, *args)
+        return step.batch(self.bind(cache_k, cache_v), *args)
 
     def chain_forward(self, chain, cache_k: list[torch.Tensor], cache_v: list[torch.Tensor], *args):
         """A C++ ChainForward (`NativeChain`) through this stack on this cache: chain.forward(stack, *args)."""
-        self.bind(cache_k, cache_v)
-        return chain.forward(self._stack, *args)
+        return chain.forward(self.bind(cache_k, cache_v), *args)
 
     def lean_forwards(self) -> int:
         """How many forwards took the C++ stack's lean path (decode_stack_cpu.cpp `Stack::lean_forward`)."""
@@ -232,9 +230,8 @@ class NativeChain:
             return None
         taps = list(hidden_taps)
         ids = torch.tensor([[t for row in token_ids for t in row]], dtype=torch.long)
-        stack.bind(kv_cache.k, kv_cache.v)
-        out = self._chain.batch(stack._stack, ids, slots, starts, [len(row) for row in token_ids], num_logits, taps,
-                                argmax)
+        out = self._chain.batch(stack.bind(kv_cache.k, kv_cache.v), ids, slots, starts, [len(row) for row in token_ids],
+                                num_logits, taps, argmax)
         if out is None:
             return None
         hidden, tapped, logits, choices = out
