@@ -197,6 +197,51 @@ def test_a_policy_that_declines_without_a_catch_up_declines_with_one_without_pri
         assert len(calls) == (1 + 3 if drafts else 1)
 
 
+def test_a_depth_of_zero_with_a_catch_up_is_kept_only_where_pricing_it_again_gives_zero():
+    """The plan's depth with a catch-up is priced once per reprice where it is 0 (a declining engine's
+    catch-up grows every step and its room shrinks; pricing it every step was most of the policy's host
+    work with 4 in flight): in every state a run reaches (catch-ups growing and reset, requests joining
+    with more room, acceptance and drafting cost swinging, reprices), the kept depth equals auto_k's."""
+    import random
+
+    rng = random.Random(1)
+    affine = CostModel({1: {1: 0.012, 9: 0.028}, 4: {1: 0.02, 9: 0.06}}, 128)
+    config = SpeculativeConfig(method="mtp", num_speculative_tokens=4, verify_pruning="dcut")
+    depth = DepthController(config, lambda: affine, draft_cost_prior=0.05)
+
+    class Seq:
+        def __init__(self, room):
+            self.room = room
+
+    kept = 0
+    seqs, catch_up = [Seq(100)], 0.0
+    for step in range(4000):
+        if rng.random() < 0.03:  # a new batch: fresh rooms, any size, the drafter caught up or not
+            seqs, catch_up = [Seq(rng.randint(2, 400)) for _ in range(rng.choice([1, 4]))], rng.choice([0.0, 0.01])
+        if rng.random() < 0.03:  # a request joins in place of one: more room, a longer catch-up (its prompt)
+            seqs[rng.randrange(len(seqs))] = Seq(rng.randint(200, 4000))
+            catch_up += 0.01
+        if rng.random() < 0.01:  # the drafter caught up (a drafting step)
+            catch_up = rng.uniform(0.0, 0.01)
+        if rng.random() < 0.05:  # drafting measured (the kept prices, like every one, hold until a reprice)
+            depth.estimator.update([4], [rng.randint(0, 4)], None)
+            depth.draft_cost.observe(4, rng.choice([0.05, 0.5]))
+            for _ in range(depth.reprice_every):
+                depth.cost.observe(len(seqs), len(seqs), 0.02)
+        if rng.random() < 0.2:
+            depth.cost.observe(len(seqs), len(seqs), rng.uniform(0.01, 0.03))  # reprices every 8 observations
+        for seq in seqs:
+            seq.room = max(1, seq.room - 1)
+        catch_up += rng.uniform(0.0, 0.1)
+        B = len(seqs)
+        priced = auto_k(depth.cost, B, 4, depth.estimator, depth.draft_step_time(B), catch_up,
+                        sum(seq.room for seq in seqs) / B, draft_fixed=depth.draft_seconds(B, 0))
+        zero = depth._priced(("zero_with_catch_up", B), list)
+        kept += bool(zero) and catch_up >= zero[0]
+        assert depth._depth_with_catch_up(seqs, catch_up) == priced, step
+    assert kept > 200
+
+
 def test_a_catch_up_is_priced_by_what_catch_ups_measured():
     """The drafter's decode-step share of the target's forward priced a prompt's catch-up 4-6x
     too dear (traced: EAGLE-3 at batch 1); a proposal that caught up teaches the cost per token."""
@@ -916,9 +961,9 @@ def test_a_step_whose_exploration_waits_for_the_catch_up_takes_the_lean_path_and
             depth.guard.observe(B, drafted=True, tokens=B, seconds=0.03)
             depth.guard.observe(B, drafted=False, tokens=B, seconds=0.01)
     pending = {}
-    lean = waited = 0
+    lean = waited = unmeasured = 0
     for _ in range(3000):
-        seqs = [Seq() for _ in range(rng.choice([1, 1, 2]))]
+        seqs = [Seq() for _ in range(rng.choice([1, 1, 2, 4]))]  # 4: a bucket nothing measured
         for seq in seqs:
             pending[id(seq)] = rng.choice([1, 4, 30, 200, 2000])
         if rng.random() < 0.05:  # acceptance and drafting cost swing the model's depth
@@ -936,13 +981,14 @@ def test_a_step_whose_exploration_waits_for_the_catch_up_takes_the_lean_path_and
                 assert _state(getattr(depth, name)) == _state(getattr(planned, name)), name
             lean += 1
             waited += due
+            unmeasured += due and len(seqs) == 4 and 3 not in depth.guard.drafted
         else:
             plan = depth.plan(seqs, [pending[id(seq)] for seq in seqs])
             drafted = [min(n, 2) for n in plan.max_tokens]
             catch_up = 1e-3 * plan.catch_up_tokens if plan.catching_up else 0.0  # ~0.1 plain steps a token
             depth.update(plan, seqs, drafted, [rng.randint(0, n) for n in drafted], 0.001 * max(drafted) + catch_up,
                          max(drafted), None, seconds * (1 + max(drafted) * rng.uniform(0.4, 0.8)) + catch_up)
-    assert waited > 100 and lean > waited
+    assert waited > 50 and lean > waited and unmeasured > 0
 
 
 def test_every_32nd_drafting_plan_drafts_to_k_and_d_cut_verifies_it_whole():

@@ -176,26 +176,35 @@ class DepthController:
 
     def declines(self, seqs: list[Sequence], pending_tokens: Callable[[Sequence], int]) -> bool:
         """Whether this step decodes without drafting, known before planning it: the guard has measured
-        drafting slower at this batch size, or the cost model's depth without a catch-up is 0 (a catch-up
-        only adds cost), and the guard will not explore: none is due, or the one due waits for the
-        drafter's catch-up (`pending_tokens(seq)`, priced only then) to fit its switch budget. Such a
-        step takes the speculator's lean path (`observe_declined`, not `plan` / `update`: the policy's
-        bookkeeping of a planned step nobody drafted in was ~30 us of a ~0.7 ms MTP D-Cut step at W4A8,
-        batch 1, on the ~95% of steps where the model declined; with waits planned, 44% of a declining
-        engine's steps still planned, and its policy host work was 42 us a step, 22 with them lean)."""
+        drafting slower at this batch size, or the plan's depth is 0 (the cost model's depth without a
+        catch-up, or with the drafter's catch-up over `pending_tokens(seq)`), and the guard will not explore:
+        none is due, or the one due keeps 0 (`MeasuredGuard.waits`). Such a step takes the speculator's lean
+        path (`observe_declined`, not `plan` / `update`: the policy's bookkeeping of a planned step nobody
+        drafted in was ~30 us of a ~0.7 ms MTP D-Cut step at W4A8, batch 1, on the ~95% of steps where the
+        model declined; with waits planned, 44% of a declining engine's steps still planned, and its policy
+        host work was 42 us a step, 22 with them lean; traced with 4 in flight, EAGLE-3 D-Cut at W4A8: the
+        depth without a catch-up was 1, the prompts' catch-up made it 0, and every step planned, 67-85 us of
+        policy host work a ~1.5 ms step)."""
         self._declined_switch = 0.0
         if not (self.schedule == "auto" or self.pruning == "dcut"):
             return False
         B = len(seqs)
         if self.guard.declines(B):
             return True
-        depth_zero = self._depth_without_catch_up(seqs) == 0
+        loses = self.guard.loses(B)  # `choose` then returns 0 whatever k is, unless it explores
+        k = self._depth_without_catch_up(seqs)
+        catch_up = None
+        if k and not loses:
+            catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
+            if catch_up and not self._depth_with_catch_up(seqs, catch_up):
+                k = 0
+            if k:
+                return False
         if not self.guard.exploration_due(B):
-            return depth_zero  # the plan's k is 0 and `choose` returns 0 whatever the switch costs
-        if not (depth_zero or self.guard.loses(B)):
-            return False
-        # The plan would price this catch-up and pass it to `choose`, which returns 0 with any k where it waits.
-        catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
+            return True  # the plan's k is 0 and `choose` returns 0 whatever the switch costs
+        # The plan would price this catch-up and pass it to `choose`, which keeps 0 where the exploration waits.
+        if catch_up is None:
+            catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
         switch = catch_up / self.cost.step_time(B, B)
         if not self.guard.waits(B, switch):
             return False
@@ -207,6 +216,21 @@ class DepthController:
         on past steps and the batch size alone; without a catch-up `remaining` is moot)."""
         B = len(seqs)
         return self._priced(("auto_k", B), lambda: self._auto_k(B, sum(seq.room for seq in seqs) / B, 0.0))
+
+    def _depth_with_catch_up(self, seqs: list[Sequence], catch_up_seconds: float) -> int:
+        """auto_k's depth for this batch when drafting first pays a catch-up of `catch_up_seconds`. A depth of
+        0 holds, until the live cost reprices, for every batch of this size with as long a catch-up and as few
+        tokens left per sequence (auto_k is monotone in both; while nothing drafts, the catch-up grows every
+        step and the room shrinks), so it is priced once per reprice, not every step."""
+        B = len(seqs)
+        remaining = sum(seq.room for seq in seqs) / B
+        zero = self._priced(("zero_with_catch_up", B), list)  # [] or [catch-up seconds, remaining] priced at 0
+        if zero and catch_up_seconds >= zero[0] and remaining <= zero[1]:
+            return 0
+        k = self._auto_k(B, remaining, catch_up_seconds)
+        if k == 0:
+            zero[:] = [catch_up_seconds, remaining]
+        return k
 
     def _auto_k(self, B: int, remaining: float, catch_up_seconds: float) -> int:
         step = self.cost.step_time(B, B)
@@ -230,7 +254,7 @@ class DepthController:
             # the catch-up grows every step).
             k = self._depth_without_catch_up(seqs)
             if catch_up and k:
-                k = self._auto_k(B, sum(seq.room for seq in seqs) / B, catch_up)
+                k = self._depth_with_catch_up(seqs, catch_up)
             chosen = self.guard.choose(B, k, switch_steps=catch_up / self.cost.step_time(B, B))
             if chosen > 0:
                 # Acceptance at a position is measured only where it is verified, and a width's cost only where

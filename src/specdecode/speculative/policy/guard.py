@@ -111,12 +111,18 @@ class MeasuredGuard:
         return self.since.get(bucket, 0) + 1 >= interval
 
     def waits(self, batch_size: int, switch_steps: float) -> bool:
-        """Whether an exploration due at the next decision, outside a burst, would wait for this switch cost
-        (more than `switch_budget` of the decisions since the last one, at most `max_wait` of them, once
-        drafting's rate rests on `settle_samples` steps): where drafting loses or k is 0, `choose` then
-        returns 0 and changes what it would with any k."""
+        """Whether an exploration due at the next decision, outside a burst, keeps `choose(batch_size, 0)` at
+        0 (where drafting loses or the model's k is 0, `choose` then returns 0 and changes what it would with
+        any k): a bucket that has neither drafted nor measured both arms keeps the model's 0 (there is no
+        drafting rate to re-measure), elsewhere the exploration waits for this switch cost (more than
+        `switch_budget` of the decisions since the last one, at most `max_wait` of them, once drafting's rate
+        rests on `settle_samples` steps)."""
         bucket = batch_size.bit_length()
-        return self.burst_left.get(bucket, 0) == 0 and self._waits(bucket, self.since.get(bucket, 0) + 1, switch_steps)
+        if self.burst_left.get(bucket, 0) > 0:
+            return False
+        if not (self.verdict_now(bucket)[0] or bucket in self.drafted):
+            return True
+        return self._waits(bucket, self.since.get(bucket, 0) + 1, switch_steps)
 
     def _waits(self, bucket: int, since: int, switch_steps: float) -> bool:
         """Whether an exploration due after `since` decisions waits for a switch of this cost."""
