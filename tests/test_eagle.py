@@ -96,6 +96,38 @@ def test_serving_catch_up_equals_the_training_step(native_model, trained_drafter
     torch.testing.assert_close(served, o[0, n - 2], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_native_forward_hands_the_drafter_its_raw_feature_as_one_block(lean_model, lean_drafters, method):
+    """The target's C++ forwards (one sequence, and a batch of several) return the tapped layers'
+    states concatenated in order as one block, which the proposer reads as its raw feature instead of
+    concatenating them after the call: equal to the drafter's `raw_features` of the taps, and the taps
+    equal to the modules' own."""
+    from specdecode.engine.ragged import ForwardEntry
+
+    llm = LLM(lean_model, dtype="float32", quantization="w8a8",  # the lean path serves a batch of several
+              speculative_config={"method": method, "model": str(lean_drafters[method]), "num_speculative_tokens": 2})
+    proposer, runner = llm.speculator.proposer, llm.runner
+    taps = proposer.hidden_taps
+    prompts = [[5, 9, 13, 7, 21], [4, 8, 11, 2], [30, 31, 32]]
+    # Each prompt alone (one sequence's forward), then one more token of each (a batch of several).
+    steps = [[ForwardEntry(s, prompt[:-1], start=0)] for s, prompt in enumerate(prompts)]
+    steps.append([ForwardEntry(s, prompt[-1:], start=len(prompt) - 1) for s, prompt in enumerate(prompts)])
+    for entries in steps:
+        result = runner.forward(entries, hidden_taps=taps)
+        with torch.no_grad():
+            for row, entry in enumerate(entries):
+                ids = torch.tensor([prompts[entry.slot][: entry.start + len(entry.token_ids)]])
+                out = llm.model(ids, torch.arange(ids.shape[1])[None], hidden_taps=taps)
+                for layer in taps:
+                    torch.testing.assert_close(result.taps[layer][row, : len(entry.token_ids)],
+                                               out.taps[layer][0, entry.start:], atol=1e-5, rtol=1e-5)
+        raw = proposer.drafter.raw_features(result.hidden, result.taps, proposer.drafter.cfg.aux_layers)
+        assert torch.equal(proposer.target_features(result), raw)
+        assert (result.tap_block is not None) == bool(taps)
+        if len(taps) > 1:
+            assert proposer.target_features(result) is result.tap_block  # no concatenation after the call
+
+
 def test_a_catch_up_split_from_its_batch_keeps_greedy_output(native_model, trained_drafters, monkeypatch):
     """A long prompt admitted while another request decodes: the drafter's catch-up over it runs
     as a forward of its own (`LengthGrouping`), and the output stays plain decoding's."""

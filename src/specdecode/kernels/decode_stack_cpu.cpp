@@ -1091,6 +1091,18 @@ torch::Tensor pad_segments(const torch::Tensor& rows, const std::vector<int64_t>
   return out;
 }
 
+// Tapped states, each [.., d] -> their concatenation [.., n x d] in order (the raw feature an EAGLE-3 or
+// DFlash drafter reads), each state then a view of it; nullopt without taps. A torch.cat of the states
+// after the call was ~20-36 us of cold host work a step (EAGLE-3, W4A8, 4 in flight).
+std::optional<torch::Tensor> tap_block(std::vector<torch::Tensor>& tapped) {
+  if (tapped.empty()) return std::nullopt;
+  if (tapped.size() == 1) return tapped[0];
+  auto block = torch::cat(tapped, -1);
+  const int64_t d = tapped[0].size(-1);
+  for (size_t j = 0; j < tapped.size(); ++j) tapped[j] = block.narrow(-1, static_cast<int64_t>(j) * d, d);
+  return block;
+}
+
 // A model's forward for one sequence's contiguous new tokens as one C++ call (models/native_stack.py
 // NativeChain, for engine/runner.py): embedding, RoPE, the layer stack, then the LM head at the last
 // `num_logits` rows in float32, what Runner._forward computes for such a batch, op for op. Around the
@@ -1103,10 +1115,13 @@ class ChainForward {
         head_(std::move(head)) {}
 
   // tokens [1, T] int64 at cache columns start .. of row `slot` -> (final-normed hidden [1, T, d], the
-  // states of `taps`, logits [1, num_logits, V] float32 of the last num_logits tokens, and with `argmax`
+  // states of `taps`, logits [1, num_logits, V] float32 of the last num_logits tokens, with `argmax`
   // each logits row's argmax as torch.argmax picks it, else nothing: computed while the logits are in
-  // the caches, where after the call a greedy step's argmax cost ~19 us (one row) to ~45 us (four rows) of cold host work).
-  std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>> forward(
+  // the caches, where after the call a greedy step's argmax cost ~19 us (one row) to ~45 us (four rows) of
+  // cold host work; the taps' `tap_block`).
+  std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>,
+             std::optional<torch::Tensor>>
+  forward(
       Stack& stack, const torch::Tensor& tokens, int64_t slot, int64_t start, int64_t num_logits,
       const std::vector<int64_t>& taps, bool argmax) {
     const int64_t T = tokens.size(1);
@@ -1117,18 +1132,20 @@ class ChainForward {
     // Runner._forward: the last num_logits rows (a gather: contiguous), then compute_logits (row_linear, float).
     const auto selected = hidden.slice(1, T - num_logits, T).contiguous();  // [1, N, d]
     const auto logits = head_(selected.reshape({-1, selected.size(-1)})).view({1, num_logits, -1}).to(torch::kFloat);
-    return {hidden, tapped, logits, argmax ? argmax_rows(logits.view({num_logits, -1})) : std::vector<int64_t>{}};
+    const auto block = tap_block(tapped);
+    return {hidden, tapped, logits, argmax ? argmax_rows(logits.view({num_logits, -1})) : std::vector<int64_t>{},
+            block};
   }
 
   // B sequences' chains (a decode step at concurrency B, or its verification): tokens [1, R] int64,
   // sequence b's lengths[b] of them in order, written at columns starts[b].. of cache row slots[b]
   // (causal), its logits at its last num_logits[b] -> as `forward` per sequence, batched: (final-normed
   // hidden [B, W, d] and taps [B, W, d], logits [B, N, V] float32, with `argmax` each sequence's
-  // logits rows' argmaxes), W = max lengths, N = max num_logits; a row past a sequence's own holds a
+  // logits rows' argmaxes, the taps' block), W = max lengths, N = max num_logits; a row past a sequence's own holds a
   // copy of its last (Runner._forward pads logits so). nullopt where the stack's lean path does not serve
   // the batch (the caller then runs it as a ragged batch).
-  using BatchOutput =
-      std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<std::vector<int64_t>>>;
+  using BatchOutput = std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor,
+                                 std::vector<std::vector<int64_t>>, std::optional<torch::Tensor>>;
   std::optional<BatchOutput> batch(Stack& stack, const torch::Tensor& tokens, const std::vector<int64_t>& slots,
                                    const std::vector<int64_t>& starts, const std::vector<int64_t>& lengths,
                                    const std::vector<int64_t>& num_logits, const std::vector<int64_t>& taps,
@@ -1165,8 +1182,9 @@ class ChainForward {
         choices.emplace_back(flat.begin() + row, flat.begin() + row + num_logits[b]);
     }
     for (auto& t : tapped) t = pad_segments(t.view({rows, d}), lengths, width);
+    const auto block = tap_block(tapped);
     return std::make_tuple(pad_segments(hidden.view({rows, d}), lengths, width), tapped,
-                           pad_segments(logits, num_logits, logit_width), choices);
+                           pad_segments(logits, num_logits, logit_width), choices, block);
   }
 
  private:

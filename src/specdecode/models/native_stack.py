@@ -209,15 +209,16 @@ class NativeChain:
     def forward(self, stack: NativeStack, token_ids: list[int], slot: int, start: int, num_logits: int,
                 kv_cache, hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
         """(final-normed hidden [1, T, d], {tap: [1, T, d]}, logits [1, num_logits, V] float32, with `argmax`
-        each logits row's torch.argmax as a list, else None), or None where it does not serve now
-        (autograd, a forward hook)."""
+        each logits row's torch.argmax as a list, else None, the taps concatenated in order [1, T, n x d]
+        or None without taps: `ForwardResult.tap_block`), or None where it does not serve now (autograd,
+        a forward hook)."""
         if torch.is_grad_enabled() or any(self._hooks) or not stack.serves(self.dtype):
             return None
         taps = list(hidden_taps)
         ids = torch.tensor([token_ids], dtype=torch.long)
-        hidden, tapped, logits, choices = stack.chain_forward(self._chain, kv_cache.k, kv_cache.v, ids, slot, start,
-                                                              num_logits, taps, argmax)
-        return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None
+        hidden, tapped, logits, choices, block = stack.chain_forward(self._chain, kv_cache.k, kv_cache.v, ids, slot,
+                                                                     start, num_logits, taps, argmax)
+        return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None, block
 
     def forward_batch(self, stack: NativeStack, token_ids: list[list[int]], slots: list[int], starts: list[int],
                       num_logits: list[int], kv_cache, hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
@@ -234,8 +235,8 @@ class NativeChain:
                                 num_logits, taps, argmax)
         if out is None:
             return None
-        hidden, tapped, logits, choices = out
-        return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None
+        hidden, tapped, logits, choices, block = out
+        return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None, block
 
 
 def forward_hooks(modules: list[nn.Module | None]) -> list[dict]:

@@ -60,7 +60,7 @@ class DFlashProposer(TargetFeatureBuffer):
             self.max_tree_depth = self.tree.max_depth
 
     def target_features(self, result) -> torch.Tensor:
-        return torch.cat([result.taps[i] for i in self.drafter.cfg.target_layer_ids], dim=-1)
+        return result.features(self.hidden_taps)
 
     def block_pass(self, seqs, active: list[int]) -> torch.Tensor:
         """Consume pending context, then one bidirectional pass over [x_{N-1}, MASK x (B-1)] at

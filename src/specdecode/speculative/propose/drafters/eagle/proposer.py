@@ -81,7 +81,8 @@ class EagleProposer(TargetFeatureBuffer):
         return drafter
 
     def target_features(self, result) -> torch.Tensor:
-        return self.drafter.raw_features(result.hidden, result.taps, self.drafter.cfg.aux_layers)
+        # The drafter's `raw_features`: the final-normed hidden state, or its tapped layers concatenated in order.
+        return result.features(self.hidden_taps) if self.hidden_taps else result.hidden
 
     # ---- drafting -------------------------------------------------------------------------------
 
