@@ -36,7 +36,8 @@ class ForwardResult:
     def features(self, layers: tuple[int, ...]) -> torch.Tensor:
         """[B, T, len(layers) x d] the states of these tapped layers concatenated in this order (the raw feature
         of an EAGLE-3 or DFlash drafter): the forward's own block where it is that (a torch.cat here was
-        ~20-36 us of cold host work a step, EAGLE-3 at W4A8 with 4 in flight), else their concatenation."""
+        ~36 us of cold host work a step in a line profile, EAGLE-3 at W4A8 with 4 in flight), else their
+        concatenation."""
         if self.tap_block is not None and tuple(self.taps) == tuple(layers):
             return self.tap_block
         return torch.cat([self.taps[i] for i in layers], dim=-1)

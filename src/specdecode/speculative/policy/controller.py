@@ -183,7 +183,7 @@ class DepthController:
         drafted in was ~30 us of a ~0.7 ms MTP D-Cut step at W4A8, batch 1, on the ~95% of steps where the
         model declined; with waits planned, 44% of a declining engine's steps still planned, and its policy
         host work was 42 us a step, 22 with them lean; traced with 4 in flight, EAGLE-3 D-Cut at W4A8: the
-        depth without a catch-up was 1, the prompts' catch-up made it 0, and every step planned, 67-85 us of
+        depth without a catch-up was 1, the prompts' catch-up made it 0, and every step planned, ~84 us of
         policy host work a ~1.5 ms step)."""
         self._declined_switch = 0.0
         if not (self.schedule == "auto" or self.pruning == "dcut"):
@@ -191,17 +191,16 @@ class DepthController:
         B = len(seqs)
         if self.guard.declines(B):
             return True
-        loses = self.guard.loses(B)  # `choose` then returns 0 whatever k is, unless it explores
-        k = self._depth_without_catch_up(seqs)
+        k = self._depth_without_catch_up(seqs)  # the plan's k, as `plan` prices it
         catch_up = None
-        if k and not loses:
+        if k:
             catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
             if catch_up and not self._depth_with_catch_up(seqs, catch_up):
                 k = 0
-            if k:
-                return False
         if not self.guard.exploration_due(B):
-            return True  # the plan's k is 0 and `choose` returns 0 whatever the switch costs
+            return k == 0  # where it is 0, `choose` returns 0 whatever the switch costs
+        if not (k == 0 or self.guard.loses(B)):
+            return False
         # The plan would price this catch-up and pass it to `choose`, which keeps 0 where the exploration waits.
         if catch_up is None:
             catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
