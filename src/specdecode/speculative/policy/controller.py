@@ -194,7 +194,7 @@ class DepthController:
         k = self._depth_without_catch_up(seqs)  # the plan's k, as `plan` prices it
         catch_up = None
         if k:
-            catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
+            catch_up = self.catch_up_time([pending_tokens(seq) for seq in seqs])
             if catch_up and not self._depth_with_catch_up(seqs, catch_up):
                 k = 0
         if not self.guard.exploration_due(B):
@@ -203,7 +203,7 @@ class DepthController:
             return False
         # The plan would price this catch-up and pass it to `choose`, which keeps 0 where the exploration waits.
         if catch_up is None:
-            catch_up = self._catch_up_seconds(self.catch_up_tokens([pending_tokens(seq) for seq in seqs]), B)
+            catch_up = self.catch_up_time([pending_tokens(seq) for seq in seqs])
         switch = catch_up / self.cost.step_time(B, B)
         if not self.guard.waits(B, switch):
             return False

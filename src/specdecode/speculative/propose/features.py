@@ -37,8 +37,10 @@ class TargetFeatureBuffer(ProposerBase[FeatureState]):
     state_type = FeatureState
 
     def target_features(self, result) -> torch.Tensor:
-        """[B, T, *] the drafter's raw input per position of a target forward."""
-        raise NotImplementedError
+        """[B, T, *] the drafter's raw input per position of a target forward: the final-normed hidden state,
+        or the tapped layers concatenated in `hidden_taps` order (`ForwardResult.features`: the C++ forward's
+        own block, where it made one)."""
+        return result.features(self.hidden_taps) if self.hidden_taps else result.hidden
 
     def on_prefill(self, seqs, result) -> None:
         raw = self.target_features(result)

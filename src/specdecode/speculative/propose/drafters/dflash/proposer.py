@@ -59,9 +59,6 @@ class DFlashProposer(TargetFeatureBuffer):
                                    ctx.device)
             self.max_tree_depth = self.tree.max_depth
 
-    def target_features(self, result) -> torch.Tensor:
-        return result.features(self.hidden_taps)
-
     def block_pass(self, seqs, active: list[int]) -> torch.Tensor:
         """Consume pending context, then one bidirectional pass over [x_{N-1}, MASK x (B-1)] at
         positions N-1 ... Returns the normed block states [A, B, d]; state j >= 1 gives token N-1+j."""

@@ -80,10 +80,6 @@ class EagleProposer(TargetFeatureBuffer):
                           token_ids=None if d2t is None else {"d2t": [int(d2t.min()), int(d2t.max())]})
         return drafter
 
-    def target_features(self, result) -> torch.Tensor:
-        # The drafter's `raw_features`: the final-normed hidden state, or its tapped layers concatenated in order.
-        return result.features(self.hidden_taps) if self.hidden_taps else result.hidden
-
     # ---- drafting -------------------------------------------------------------------------------
 
     @torch.inference_mode()
