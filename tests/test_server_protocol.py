@@ -346,3 +346,27 @@ def test_fuzzed_bodies_never_get_5xx(server, endpoint):
     assert statuses[200] and statuses[400]  # both valid and refused bodies were sent
     wait_idle(server)  # ... and the server is still whole: every slot free, a plain request answered
     assert post(server, COMPLETIONS, completion()).status_code == 200
+
+
+@pytest.mark.parametrize("endpoint", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_of_forbidden_tokens_and_overflowed_logits_are_json_numbers(server, endpoint, stream):
+    """A token the row's grammar forbids has logprob -inf, and a repetition_penalty of 1e-245 divides
+    a seen token's logit into inf (its distribution's logprobs NaN): found by the fuzz suite as a 500,
+    neither value being JSON. They go out as -9999.0 (vLLM's floor)."""
+    asks = {"logprobs": 5} if endpoint == COMPLETIONS else {"logprobs": True, "top_logprobs": 5}
+    make = completion if endpoint == COMPLETIONS else chat
+    for fields in ({"repetition_penalty": 1e-245, "prompt": "def f(f"} if endpoint == COMPLETIONS
+                   else {"repetition_penalty": 1e-245}, {"guided_choice": ["yes", "no"]}):
+        r = post(server, endpoint, make(stream=stream, **asks, **fields))
+        assert r.status_code == 200, r.text
+        texts = [e[6:] for e in r.text.split("\n\n") if e and e != "data: [DONE]"] if stream else [r.text]
+
+        def strict(token):
+            raise AssertionError(f"{token} is not JSON: {r.text}")
+
+        payloads = [json.loads(t, parse_constant=strict) for t in texts]
+        values = json.dumps(payloads)
+        assert "logprob" in values
+        if "guided_choice" in fields:
+            assert "-9999.0" in values  # the forbidden tokens among the top 5 (can fail)

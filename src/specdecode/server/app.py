@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import re
 import time
 import uuid
@@ -109,6 +110,16 @@ class _Shape:
         raise NotImplementedError
 
 
+# JSON has no -inf or NaN: a token the row's grammar or filters forbid has logprob -inf, and a distribution
+# whose processed logits overflowed (a repetition_penalty of 1e-245 divides a logit into inf) has NaN ones.
+# They go out as vLLM's floor for -inf.
+LOGPROB_FLOOR = -9999.0
+
+
+def _json_logprob(value: float) -> float:
+    return value if math.isfinite(value) else LOGPROB_FLOOR
+
+
 def _completion_prompt(prompt) -> str | dict:
     if isinstance(prompt, str):
         return prompt
@@ -148,8 +159,8 @@ class _Completion(_Shape):
             tokens.append(tokenizer.token_text(v.token_id))
             offsets.append(text_offset)
             text_offset += len(tokens[-1])
-        return {"tokens": tokens, "token_logprobs": [v.logprob for v in values],
-                "top_logprobs": [{tokenizer.token_text(t): lp for t, lp in v.top} for v in values],
+        return {"tokens": tokens, "token_logprobs": [_json_logprob(v.logprob) for v in values],
+                "top_logprobs": [{tokenizer.token_text(t): _json_logprob(lp) for t, lp in v.top} for v in values],
                 "text_offset": offsets}
 
 
@@ -196,7 +207,8 @@ class _ChatCompletion(_Shape):
     @staticmethod
     def logprobs(tokenizer, values, text_offset):
         def entry(token_id: int, logprob: float) -> dict:
-            return {"token": tokenizer.token_text(token_id), "logprob": logprob, "bytes": tokenizer.token_bytes(token_id)}
+            return {"token": tokenizer.token_text(token_id), "logprob": _json_logprob(logprob),
+                    "bytes": tokenizer.token_bytes(token_id)}
 
         return {"content": [{**entry(v.token_id, v.logprob), "top_logprobs": [entry(t, lp) for t, lp in v.top]}
                             for v in values]}
@@ -258,9 +270,9 @@ def _prompt_logprobs(tokenizer, values: list) -> list:
         if v is None:
             out.append(None)
             continue
-        entries = {v.token_id: {"logprob": v.logprob, "rank": v.rank}}
+        entries = {v.token_id: {"logprob": _json_logprob(v.logprob), "rank": v.rank}}
         for rank, (t, lp) in enumerate(v.top, start=1):
-            entries.setdefault(t, {"logprob": lp, "rank": rank})
+            entries.setdefault(t, {"logprob": _json_logprob(lp), "rank": rank})
         out.append({str(t): {**e, "decoded_token": tokenizer.token_text(t)} for t, e in entries.items()})
     return out
 
