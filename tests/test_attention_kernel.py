@@ -72,6 +72,27 @@ def test_a_rows_result_does_not_depend_on_the_hidden_keys_a_padded_batch_adds(dt
         assert torch.equal(attention_cpu.cached_attention(q, wide_k, wide_v, wide_mask, 2), own), S
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kv_cache_is_head_major_and_the_op_reads_it_as_a_row_major_copy(dtype):
+    from specdecode.models.config import ModelConfig
+    from specdecode.models.llama import KVCache
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=64, max_position_embeddings=512)
+    cache = KVCache(cfg, num_slots=3, max_len=300, dtype=dtype, device=torch.device("cpu"))
+    k, v = cache.k[1], cache.v[1]
+    assert k.shape == (3, 301, 4, 64) and k.stride(1) == 64 and v.stride(1) == 64  # a head's columns: one run
+    g = torch.Generator().manual_seed(0)
+    k.copy_(torch.randn(k.shape, generator=g))
+    v.copy_(torch.randn(v.shape, generator=g))
+    q, _, _, mask = _inputs(2, 4, 2, 3, 250, 64, dtype)
+    head_major = attention_cpu.cached_attention(q, k[1:3, :250], v[1:3, :250], mask, 2)
+    row_major = attention_cpu.cached_attention(q, k.contiguous()[1:3, :250], v.contiguous()[1:3, :250], mask, 2)
+    assert torch.equal(head_major, row_major)
+    torch.testing.assert_close(head_major.double(), _reference(q, k[1:3, :250], v[1:3, :250], mask, 2),
+                               rtol=1e-2, atol=1e-2)
+
+
 def test_a_row_that_sees_no_key_gives_zeros():
     q, keys, values, mask = _inputs(1, 4, 2, 1, 20, 64, torch.float32)
     mask[:] = False

@@ -74,6 +74,24 @@ def test_exact_attention_rows_do_not_depend_on_width_batch_or_key_columns(dtype)
         torch.testing.assert_close(wide.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 8e-3, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_attention_reads_a_head_major_cache_as_its_row_major_copy(dtype):
+    """The KV cache is head-major storage seen as [slots, columns, KVH, D] (models/llama.py KVCache)."""
+    torch.manual_seed(0)
+    H, KVH, D, C, W, n = 8, 4, 64, 300, 5, 200
+    cache_k = torch.randn(3, KVH, C, D, dtype=dtype).transpose(1, 2)
+    cache_v = torch.randn(3, KVH, C, D, dtype=dtype).transpose(1, 2)
+    q = torch.randn(2, W, H, D, dtype=dtype)
+    mask = (torch.arange(n + W)[None, :] <= (n + torch.arange(W))[:, None])[None].repeat(2, 1, 1)
+    slots = torch.tensor([2, 0])
+    strided = exact_attention(q, cache_k, cache_v, slots, mask, D ** -0.5)
+    assert torch.equal(strided, exact_attention(q, cache_k.contiguous(), cache_v.contiguous(), slots, mask, D ** -0.5))
+    k, v = cache_k[2:3, :n + W].transpose(1, 2), cache_v[2:3, :n + W].transpose(1, 2)
+    ref = F.scaled_dot_product_attention(q[:1].transpose(1, 2), k, v, attn_mask=mask[:1, None],
+                                         enable_gqa=True).transpose(1, 2)
+    torch.testing.assert_close(strided[:1].float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 8e-3, rtol=0)
+
+
 def test_row_probe_finds_kernels_that_depend_on_the_row_count_or_position():
     weight = torch.randn(16, 32)
 

@@ -200,9 +200,9 @@ void transpose_keys(const scalar_t* k, int64_t stride, int64_t S, int64_t Sp, in
 }
 
 template <typename scalar_t>
-void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const scalar_t* cache_v, const int64_t* slots,
-                      const bool* mask, scalar_t* out, int64_t B, int64_t T, int64_t H, int64_t KVH, int64_t D,
-                      int64_t S, int64_t C, float scale) {
+void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const int64_t* ks, const scalar_t* cache_v,
+                      const int64_t* vs, const int64_t* slots, const bool* mask, scalar_t* out, int64_t B, int64_t T,
+                      int64_t H, int64_t KVH, int64_t D, int64_t S, float scale) {
   const int64_t G = H / KVH;
   const int64_t Sp = (S + kLanes - 1) / kLanes * kLanes, Dp = (D + kLanes - 1) / kLanes * kLanes;
   at::parallel_for(0, B * KVH, 1, [&](int64_t begin, int64_t end) {
@@ -212,9 +212,9 @@ void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const scalar_t
     std::vector<float> kt(Sp * D), vf(S * Dp), qf(4 * D), scores(4 * Sp), acc(4 * Dp), sums(4);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / KVH, kvh = task % KVH, slot = slots[b];
-      transpose_keys(cache_k + (slot * C * KVH + kvh) * D, KVH * D, S, Sp, D, kt.data());
+      transpose_keys(cache_k + slot * ks[0] + kvh * ks[2], ks[1], S, Sp, D, kt.data());
       for (int64_t s = 0; s < S; ++s) {
-        const scalar_t* src = cache_v + ((slot * C + s) * KVH + kvh) * D;
+        const scalar_t* src = cache_v + slot * vs[0] + s * vs[1] + kvh * vs[2];
         float* dst = &vf[s * Dp];
         for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(src[d]);
         for (int64_t d = D; d < Dp; ++d) dst[d] = 0.0f;
@@ -246,16 +246,16 @@ void attention_kernel(const scalar_t* q, const scalar_t* cache_k, const scalar_t
 
 }  // namespace
 
-// q [B, T, H, D]; cache_k, cache_v [slots, C, KVH, D]; slot_ids [B] int64; mask [B, T, S] bool
-// (S <= C: the key columns read). Returns [B, T, H, D] in q's dtype.
+// q [B, T, H, D]; cache_k, cache_v [slots, C, KVH, D] (any strides, the head dimension contiguous);
+// slot_ids [B] int64; mask [B, T, S] bool (S <= C: the key columns read). Returns [B, T, H, D] in q's dtype.
 torch::Tensor exact_attention(torch::Tensor q, torch::Tensor cache_k, torch::Tensor cache_v, torch::Tensor slot_ids,
                               torch::Tensor mask, double scale) {
   TORCH_CHECK(q.dim() == 4 && cache_k.dim() == 4 && mask.dim() == 3, "exact_attention: bad ranks");
   TORCH_CHECK(q.scalar_type() == cache_k.scalar_type() && cache_k.scalar_type() == cache_v.scalar_type(),
               "exact_attention: q and the cache must share a dtype");
   q = q.contiguous();
-  cache_k = cache_k.contiguous();
-  cache_v = cache_v.contiguous();
+  if (cache_k.stride(3) != 1) cache_k = cache_k.contiguous();
+  if (cache_v.stride(3) != 1) cache_v = cache_v.contiguous();
   mask = mask.to(torch::kBool).contiguous();
   slot_ids = slot_ids.to(torch::kLong).contiguous();
   const int64_t B = q.size(0), T = q.size(1), H = q.size(2), D = q.size(3);
@@ -264,10 +264,12 @@ torch::Tensor exact_attention(torch::Tensor q, torch::Tensor cache_k, torch::Ten
   TORCH_CHECK(H % KVH == 0 && cache_k.size(3) == D && S <= C && mask.size(0) == B && mask.size(1) == T,
               "exact_attention: shapes do not match");
   auto out = torch::empty_like(q);
+  const int64_t ks[3] = {cache_k.stride(0), cache_k.stride(1), cache_k.stride(2)};
+  const int64_t vs[3] = {cache_v.stride(0), cache_v.stride(1), cache_v.stride(2)};
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "exact_attention", [&] {
-    attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), cache_k.data_ptr<scalar_t>(), cache_v.data_ptr<scalar_t>(),
-                               slot_ids.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<scalar_t>(), B, T, H,
-                               KVH, D, S, C, static_cast<float>(scale));
+    attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), cache_k.data_ptr<scalar_t>(), ks, cache_v.data_ptr<scalar_t>(),
+                               vs, slot_ids.data_ptr<int64_t>(), mask.data_ptr<bool>(), out.data_ptr<scalar_t>(), B, T,
+                               H, KVH, D, S, static_cast<float>(scale));
   });
   return out;
 }

@@ -33,7 +33,8 @@ from specdecode.models.native_stack import (ServedTypes, batch_served, native_bl
 
 
 class KVCache:
-    """Static cache: per layer K and V of shape [num_slots, max_len + 1, num_kv_heads, head_dim].
+    """Static cache: per layer K and V of shape [num_slots, max_len + 1, num_kv_heads, head_dim] (views of
+    head-major storage: a head's columns are contiguous).
 
     A sequence owns one slot (row). Its length lives with the sequence, not here, so rolling
     back k tokens is setting a length: stale columns past it are masked out and overwritten
@@ -50,7 +51,11 @@ class KVCache:
         layer_ids = list(range(config.num_hidden_layers) if layer_ids is None else layer_ids)
 
         def columns(width: int, heads: int = 1) -> torch.Tensor:
-            return torch.zeros((num_slots, max_len + 1, heads, width), dtype=dtype, device=device)
+            # Stored head-major, [num_slots, heads, max_len + 1, width], seen through a transposed view: a head's
+            # keys (values) of a sequence are then one contiguous run, which attention streams (benchmarks/
+            # kv_layout.py, default model, 4 sequences over 600-900 keys: decode steps 0.77-0.87x the row-major
+            # layout's time at W4A8, 0.82-0.84x at bf16).
+            return torch.zeros((num_slots, heads, max_len + 1, width), dtype=dtype, device=device).transpose(1, 2)
 
         if config.is_mla:
             self.k = [columns(config.kv_lora_rank + config.head_dim) for _ in layer_ids]
