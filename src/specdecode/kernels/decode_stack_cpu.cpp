@@ -712,7 +712,8 @@ class Stack {
   // Stack::forward for what lean_serves accepts, on the kernels' functions and plain loops (see the
   // top of this file): the same numbers as layer_forward's ops.
   // Its rows are the segments' (one sequence's chain, or a batch's chains, one after the other): the
-  // linears and norms run over all T rows at once, RoPE, the cache writes and attention per segment.
+  // linears and norms run over all T rows at once, RoPE and the cache writes per segment, and attention of
+  // every segment in one parallel region.
   template <typename scalar_t>
   std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_forward(const torch::Tensor& x_in, const torch::Tensor& cos,
                                                                     const torch::Tensor& sin,
@@ -738,6 +739,8 @@ class Stack {
     std::memcpy(x, x_in.data_ptr<scalar_t>(), T * d * sizeof(scalar_t));
     const auto options = x_in.options();
     std::vector<torch::Tensor> tapped(taps.size());
+    std::vector<attention_kernels::HeadSegment<scalar_t>> heads;  // a layer's segments as attention takes them
+    heads.reserve(segments.size());
     auto tap = [&](int64_t i) {
       for (size_t j = 0; j < taps.size(); ++j)
         if (taps[j] == i) tapped[j] = i == 0 ? x_in : copy_rows(x, x_in.sizes(), options);
@@ -780,6 +783,7 @@ class Stack {
       // into the folded layout, head h = kv * group + g at row g * n + t of its KV head: (h * n + t) * D.
       const int64_t ks[3] = {k_[i].stride(0), k_[i].stride(1), k_[i].stride(2)};
       const int64_t vs[3] = {v_[i].stride(0), v_[i].stride(1), v_[i].stride(2)};
+      heads.clear();
       for (const Segment& seg : segments) {
         const int64_t n = seg.rows, r0 = seg.row_begin;
         scalar_t* cache_k = k_[i].data_ptr<scalar_t>() + seg.slot * ks[0];
@@ -797,9 +801,13 @@ class Stack {
           for (int64_t head = 0; head < H; ++head)
             rope_head(q + row * q_stride + head * D, c, sn, seg_folded + (head * n + t) * D, D);
         }
-        scalar_t* seg_attended = attended + r0 * H * D;
-        attention_kernels::attend(seg_folded, 1, KVH, group * n, D, cache_k, ks, cache_v, vs, seg.num_keys, seg.mask, n,
-                                  seg_attended);
+        heads.push_back({seg_folded, cache_k, cache_v, n, seg.num_keys, seg.mask, attended + r0 * H * D});
+      }
+      // Every segment's attention in one parallel region (one a segment cost ~2 us each beside the work).
+      attention_kernels::attend_segments(heads, KVH, group, D, ks, vs);
+      for (const Segment& seg : segments) {
+        const int64_t n = seg.rows, r0 = seg.row_begin;
+        const scalar_t* seg_attended = attended + r0 * H * D;
         if (n > 1)  // [n, H * D] rows (the folded layout is that already for one token)
           for (int64_t t = 0; t < n; ++t)
             for (int64_t head = 0; head < H; ++head)
