@@ -313,7 +313,7 @@ inline bool serves(int64_t rows, int64_t head_dim, int64_t num_keys) {
 
 // The segments' (sequence, KV head) tasks split over the threads in one parallel region (every segment's
 // rows `serves` first): the C++ stack's lean path attends a batch's sequences, each over its own cache row
-// and mask, this way (one parallel region a sequence cost 2-10% of a 4-16-sequence decode step).
+// and mask, this way (one parallel region a sequence cost 1-10% of a 4-16-sequence decode step).
 template <typename scalar_t>
 void attend_segments(const std::vector<HeadSegment<scalar_t>>& segments, int64_t KVH, int64_t group, int64_t D,
                      const int64_t* ks, const int64_t* vs) {
