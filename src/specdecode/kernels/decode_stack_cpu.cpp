@@ -803,7 +803,7 @@ class Stack {
         }
         heads.push_back({seg_folded, cache_k, cache_v, n, seg.num_keys, seg.mask, attended + r0 * H * D});
       }
-      // Every segment's attention in one parallel region (one a segment cost ~2 us each beside the work).
+      // Every segment's attention in one parallel region (a region per segment cost ~2 us each beside the work).
       attention_kernels::attend_segments(heads, KVH, group, D, ks, vs);
       for (const Segment& seg : segments) {
         const int64_t n = seg.rows, r0 = seg.row_begin;
