@@ -93,6 +93,81 @@ def test_the_kv_cache_is_head_major_and_the_op_reads_it_as_a_row_major_copy(dtyp
                                rtol=1e-2, atol=1e-2)
 
 
+def _quantized(cache: torch.Tensor) -> torch.Tensor:
+    from specdecode.models.layers import quantize_kv
+
+    return quantize_kv(cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [32, 64, 80, 96, 128, 256])
+@pytest.mark.parametrize("B,KVH,group,T,S", [(1, 4, 2, 1, 250), (2, 4, 2, 5, 37), (3, 2, 4, 1, 1)])
+def test_the_op_attends_over_an_int8_cache_as_over_its_dequantised_values(dtype, D, B, KVH, group, T, S):
+    """An int8 cache's records (values, then the scale) give the attention of their dequantised values; a
+    cache quantised from other keys gives another (the check can fail)."""
+    from specdecode.models.layers import dequantize_kv
+
+    if not attention_cpu.serves_int8():
+        pytest.skip("the int8 cache's kernel needs AVX-512")
+    q, keys, values, mask = _inputs(B, KVH, group, T, S, D, dtype)
+    qk, qv = _quantized(keys), _quantized(values)
+    assert qk.dtype == torch.int8 and qk.shape[-1] == D + 4
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for m in (None, mask):
+        out = attention_cpu.cached_attention(q, qk, qv, m, group)
+        assert out.shape == q.shape and out.dtype == dtype
+        expected = _reference(q, dequantize_kv(qk, torch.float64), dequantize_kv(qv, torch.float64), m, group)
+        torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+    other_k, other_v = (_quantized(t) for t in _inputs(B, KVH, group, T, S, D, dtype, seed=1)[1:3])
+    if S > 1:
+        other = attention_cpu.cached_attention(q, other_k, other_v, mask, group)
+        assert not torch.allclose(other.double(), _reference(q, keys, values, mask, group), atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_int8_caches_rows_do_not_depend_on_the_other_tokens_or_hidden_keys(dtype):
+    """The int8 kernel keeps the op's invariance: a token's rows alone equal its rows in a 17-token step,
+    and a padded batch's hidden keys change nothing."""
+    if not attention_cpu.serves_int8():
+        pytest.skip("the int8 cache's kernel needs AVX-512")
+    q, keys, values, mask = _inputs(1, 4, 2, 17, 300, 64, dtype)
+    qk, qv = _quantized(keys), _quantized(values)
+    out = attention_cpu.cached_attention(q, qk, qv, mask, 2).view(1, 4, 2, 17, 64)
+    for t in range(17):
+        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 17, 64)[:, :, :, t], qk, qv, mask[:, :, t:t + 1], 2)
+        assert torch.equal(alone, out[:, :, :, t]), t
+    q, keys, values, mask = _inputs(1, 4, 2, 3, 13, 64, dtype)
+    own = attention_cpu.cached_attention(q, _quantized(keys), _quantized(values), mask, 2)
+    wide_k, wide_v = (_quantized(t) for t in _inputs(1, 4, 2, 3, 40, 64, dtype, seed=2)[1:3])
+    wide_mask = torch.zeros(1, 1, 3, 40, dtype=torch.bool)
+    wide_k[:, :13], wide_v[:, :13], wide_mask[..., :13] = _quantized(keys), _quantized(values), mask
+    assert torch.equal(attention_cpu.cached_attention(q, wide_k, wide_v, wide_mask, 2), own)
+
+
+def test_int8_records_hold_round_half_even_values_and_the_scale():
+    from specdecode.models.layers import dequantize_kv, quantize_kv
+
+    x = torch.tensor([[0.0] * 4, [1.0, -0.5, 0.25, 2.0], [3.0, 1e-3, -3.0, 0.0117]])
+    records = quantize_kv(x)
+    assert records.shape == (3, 8) and records.dtype == torch.int8
+    assert records[0].tolist() == [0] * 8  # an all-zero head: zero values, scale 0
+    scale = records[1, 4:].view(torch.float32).item()
+    assert scale == torch.tensor(2.0 / 127).item()
+    assert records[1, :4].tolist() == [64, -32, 16, 127]  # 63.5 -> 64 (even), -31.75 -> -32, 15.875 -> 16
+    torch.testing.assert_close(dequantize_kv(records, torch.float32), x, atol=3.0 / 254, rtol=0)
+    assert dequantize_kv(records, torch.float32).dtype == torch.float32
+
+
+def test_the_c_plus_plus_quantiser_writes_the_same_records():
+    """The C++ stack's cache writes (quantize_record) and quantize_kv must agree bit for bit, or a prompt
+    prefilled by one and decoded by the other would read other keys."""
+    g = torch.Generator().manual_seed(3)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (torch.randn(7, 5, 64, generator=g) * torch.rand(7, 5, 1, generator=g) * 10).to(dtype)
+        x[0, 0] = 0
+        assert torch.equal(attention_cpu.quantize_records(x), _quantized(x)), dtype
+
+
 def test_a_row_that_sees_no_key_gives_zeros():
     q, keys, values, mask = _inputs(1, 4, 2, 1, 20, 64, torch.float32)
     mask[:] = False

@@ -51,6 +51,18 @@ def test_greedy_equals_plain_decoding_with_quantised_weights(native_model, spec_
 
 
 @cases
+def test_greedy_equals_plain_decoding_with_an_int8_kv_cache(native_model, spec_config):
+    """The target's KV cache in int8 records (drafters keep theirs): verification reads the same quantised
+    keys plain decoding reads, so speculation still changes nothing (chain and tree paths, whose accepted
+    columns move as records)."""
+    plain = generate_ids(native_model, PROMPTS, GREEDY, kv_cache_dtype="int8")
+    llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=spec_config, kv_cache_dtype="int8")
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+@cases
 def test_a_request_alone_equals_it_batched(native_model, spec_config):
     batched = generate_ids(native_model, PROMPTS, GREEDY, spec_config)
     for prompt, expected in zip(PROMPTS[:2], batched):

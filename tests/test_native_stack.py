@@ -165,30 +165,37 @@ def test_a_one_sequence_forward_asked_for_its_argmax_takes_torch_argmax_of_its_l
     assert llm.runner.forward(_steps(llm.model.config.vocab_size)[1]).argmax is None  # not asked
 
 
-@pytest.mark.parametrize("dtype,quantization", [("float32", "int8"), ("float32", None), ("bfloat16", "int8"),
-                                                ("bfloat16", None), ("float32", "int4"), ("bfloat16", "int4"),
-                                                ("float32", "w8a8"), ("bfloat16", "w8a8"), ("bfloat16", "w4a8")])
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", [
+    ("float32", "int8", "auto"), ("float32", None, "auto"), ("bfloat16", "int8", "auto"), ("bfloat16", None, "auto"),
+    ("float32", "int4", "auto"), ("bfloat16", "int4", "auto"), ("float32", "w8a8", "auto"),
+    ("bfloat16", "w8a8", "auto"),
+    ("bfloat16", "w4a8", "auto"), ("float32", None, "int8"), ("bfloat16", "w4a8", "int8")])
 def test_the_stack_equals_the_modules_bit_for_bit(native_model, forced_kernels, stack_calls, monkeypatch, dtype,
-                                                  quantization):
-    # float32 + int4: the int4 few-row kernel up to its width, the layers' dequantised copies past it
+                                                  quantization, kv_cache_dtype):
+    # float32 + int4: the int4 few-row kernel up to its width, the layers' dequantised copies past it. An int8
+    # KV cache: heads of 16, which the attention op hands to PyTorch's kernel on the dequantised cache.
     if quantization == "int8" and not gemv_int8_cpu.fits(8, "cpu"):
         pytest.skip("the few-row int8 kernel needs AVX2 and FMA")
     if quantization in ("w8a8", "w4a8") and not gemm_a8_cpu.available("cpu"):
         pytest.skip("the int8-activation kernels need AVX-512 VNNI")
-    _compare(LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2), stack_calls, monkeypatch)
+    llm = LLM(native_model, dtype=dtype, quantization=quantization, max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
+    assert llm.runner.kv_cache.k[0].dtype == (torch.int8 if kv_cache_dtype == "int8" else llm.dtype)
+    _compare(llm, stack_calls, monkeypatch)
 
 
-@pytest.mark.parametrize("dtype,quantization", [("bfloat16", "w4a8"), ("float32", "w4a8"), ("bfloat16", "w8a8"),
-                                                ("bfloat16", None)])
+@pytest.mark.parametrize("dtype,quantization,kv_cache_dtype", [
+    ("bfloat16", "w4a8", "auto"), ("float32", "w4a8", "auto"), ("bfloat16", "w8a8", "auto"), ("bfloat16", None, "auto"),
+    ("bfloat16", "w4a8", "int8"), ("float32", "w4a8", "int8"), ("bfloat16", None, "int8")])
 def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels, stack_calls, monkeypatch, dtype,
-                                                      quantization):
+                                                      quantization, kv_cache_dtype):
     # w8a8 / w4a8 layers, or bf16 ones the few-row bf16 kernel takes (forced up to 16 rows), and heads the
-    # attention kernel takes: the kernels called directly, plain loops between.
+    # attention kernel takes: the kernels called directly, plain loops between. An int8 KV cache: the lean
+    # path's quantiser and the attention kernel's int8 reads against the modules' quantize_kv and op.
     if not gemm_a8_cpu.available("cpu"):
         pytest.skip("the lean path needs AVX-512 VNNI")
     if quantization is None and not gemv_cpu.fits(128, torch.bfloat16, "cpu"):
         pytest.skip("the few-row bf16 kernel needs AVX-512 BF16")
-    llm = LLM(lean_model, dtype=dtype, quantization=quantization, max_num_seqs=2)
+    llm = LLM(lean_model, dtype=dtype, quantization=quantization, max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
     stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
     _compare(llm, stack_calls, monkeypatch)
     # the 9-token prefill, the decode step, the 5-token chain and the 3-token tree: one sequence, at most

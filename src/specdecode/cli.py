@@ -153,6 +153,12 @@ def _add_model_args(p, speculative: bool = True, exact: bool = True) -> None:
                    help="with --quantization: auto = verify forwards from a measured width on (about 6-8 tokens here) run "
                    "a dense copy of each quantised layer, faster there than the int kernels but the dtype's bytes per "
                    "weight more memory; quantized = the int kernels at every width (least memory). Default: auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8"],
+                   help="the target's KV cache: auto = the served dtype; int8 = int8 values with a float32 scale per "
+                   "token and KV head, half a bf16 cache's bytes, which decode steps over a deep context and at "
+                   "concurrency stream (README 'Speed': measured faster there, about alike at short contexts; "
+                   "outputs close to, not identical with, the served dtype's; not with --exact or MLA / DSA "
+                   "models). Default: auto")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
                    help="torch.compile the target's (and a draft model's) forward: faster steps after compiling a few "
                    "graphs once (tens of seconds on a CPU, logged; default: --no-compile)")
@@ -194,6 +200,7 @@ def _run_generate(args) -> int:
 
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
               compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides, verify_kernels=args.verify_kernels,
+              kv_cache_dtype=args.kv_cache_dtype,
               speculative_config=cli_speculative_config(args.speculative_config, args.model), max_num_seqs=1)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens,
                             seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
@@ -282,7 +289,8 @@ def _run_bench(args) -> int:
                       concurrency=[int(c) for c in args.concurrency.split(",")],
                       temperatures=[float(t) for t in args.temperature.split(",")], dtype=args.dtype,
                       device=args.device, quantization=args.quantization, compile=args.compile,
-                      verify_kernels=args.verify_kernels, hf_overrides=args.hf_overrides, exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
+                      verify_kernels=args.verify_kernels, kv_cache_dtype=args.kv_cache_dtype,
+                      hf_overrides=args.hf_overrides, exact=[_on_off(v) for v in args.exact.split(",")], seed=args.seed,
                       out_dir=Path(args.out),
                       repeats=args.repeats,
                       peers=[p for p in args.peers.split(",") if p], sampling=args.sampling)
@@ -340,7 +348,8 @@ def _run_serve(args) -> int:
     serve(args.host, args.port, model=args.model, speculative_config=cli_speculative_config(args.speculative_config, args.model),
           dtype=args.dtype, device=args.device, quantization=args.quantization, compile=args.compile,
           exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
-          verify_kernels=args.verify_kernels, max_model_len=args.max_model_len, api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+          verify_kernels=args.verify_kernels, kv_cache_dtype=args.kv_cache_dtype, max_model_len=args.max_model_len,
+          api_key=_serve_api_key(args), served_model_name=args.served_model_name, max_waiting=args.max_waiting,
           max_request_bytes=args.max_request_bytes, public_metrics=args.public_metrics)
     return 0
 
@@ -425,7 +434,7 @@ def _run_profile(args) -> int:
         print(f"kernel choices forgotten ({len(deleted)} cache file(s)): measuring them again while loading")
     llm = LLM(model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
               compile=args.compile, exact=args.exact, hf_overrides=args.hf_overrides, max_num_seqs=args.max_num_seqs,
-              verify_kernels=args.verify_kernels)
+              verify_kernels=args.verify_kernels, kv_cache_dtype=args.kv_cache_dtype)
     if args.reprobe_kernels:
         print("kernel choices (layer shape and kernel: the most rows it serves, or the width a dense copy takes "
               "over from; none: never faster):")

@@ -189,6 +189,7 @@ def _short_repr(value, limit: int = 80) -> str:
 
 
 VERIFY_KERNELS = ("auto", "quantized")  # EngineConfig.verify_kernels
+KV_CACHE_DTYPES = {"auto": None, "int8": torch.int8}  # EngineConfig.kv_cache_dtype -> the cache's storage dtype
 
 
 @dataclasses.dataclass(slots=True)
@@ -208,6 +209,9 @@ class EngineConfig:
     verify_kernels: str = "auto"
     exact: bool = False  # exact mode: invariant kernels + position-keyed seeded sampling; see README "Exact mode"
     hf_overrides: dict | None = None  # config.json keys replaced at load (vLLM's --hf-overrides), e.g. index_topk_pattern
+    # The target's KV cache: "auto" = the served dtype; "int8" = per (token, KV head) scaled int8 records (README
+    # "Speed": half a bf16 cache's bytes, which attention over a deep context streams)
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         from specdecode.models.quant import QuantScheme
@@ -222,6 +226,14 @@ class EngineConfig:
         if self.verify_kernels not in VERIFY_KERNELS:
             raise ConfigError(f"verify_kernels {_short_repr(self.verify_kernels)} is not supported; accepted: "
                               f"{', '.join(VERIFY_KERNELS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            hint = (" (fp8 caches need a GPU's fp8 kernels; this engine's quantised cache is int8)"
+                    if isinstance(self.kv_cache_dtype, str) and self.kv_cache_dtype.startswith("fp8") else "")
+            raise ConfigError(f"kv_cache_dtype {_short_repr(self.kv_cache_dtype)} is not supported; accepted: "
+                              f"{', '.join(KV_CACHE_DTYPES)}{hint}")
+        if self.exact and self.kv_cache_dtype != "auto":
+            raise ConfigError("exact=True keeps the KV cache in the served dtype (its invariant attention kernel reads "
+                              "no int8 cache): use kv_cache_dtype='auto'")
         if self.exact and self.compile:
             raise ConfigError("exact=True runs eager forwards and cannot be combined with compile=True: compiled "
                               "graphs are specialised by width, and their fused kernels are not width-invariant")
@@ -243,6 +255,10 @@ class EngineConfig:
         from specdecode.models.quant import QuantScheme
 
         return QuantScheme.parse(self.quantization)
+
+    def kv_cache_torch_dtype(self) -> torch.dtype | None:
+        """The target's KV cache storage dtype, None = the served dtype."""
+        return KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype != "auto":

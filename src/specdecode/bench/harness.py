@@ -53,6 +53,7 @@ class BenchConfig:
     hf_overrides: dict | None = None  # config.json keys replaced at load (IndexCache patterns, ...)
     compile: bool = False  # torch.compile every method's target forward (compilation happens in the warm-up)
     verify_kernels: str = "auto"  # quantised targets: LLM(verify_kernels=)
+    kv_cache_dtype: str = "auto"  # every engine's target KV cache: LLM(kv_cache_dtype=)
     # Exact mode off and/or on: [False, True] runs every method both ways, interleaved in one run (the
     # plain engine of each mode is that mode's baseline; the exact plain row also shows its cost).
     exact: list[bool] = dataclasses.field(default_factory=lambda: [False])
@@ -83,7 +84,7 @@ def machine_info(llm: LLM) -> dict:
         "cpu_count": torch.get_num_threads(), "python": platform.python_version(), "torch": torch.__version__,
         "specdecode": specdecode.__version__, "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
         "quantization": llm.quantization.name if llm.quantization is not None else None,
-        "exact": llm.exact,
+        "exact": llm.exact, "kv_cache_dtype": llm.config.kv_cache_dtype,
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 
@@ -113,7 +114,7 @@ def run_bench(cfg: BenchConfig) -> dict:
             llms = [LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=method.config,
                         max_num_seqs=concurrency, seed=cfg.seed, quantization=cfg.quantization,
                         compile=cfg.compile, exact=exact, hf_overrides=cfg.hf_overrides,
-                        verify_kernels=cfg.verify_kernels)
+                        verify_kernels=cfg.verify_kernels, kv_cache_dtype=cfg.kv_cache_dtype)
                     for exact, method in engines]
             info = info or machine_info(llms[0])
             measured = measure_interleaved(llms, prompts, params, cfg.repeats, concurrency, on_run=lambda: bar.update(1))

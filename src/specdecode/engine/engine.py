@@ -114,6 +114,8 @@ class LLM:
     position, token), so speculation reproduces plain decoding token for token (README "Exact mode").
     hf_overrides: config.json keys to replace at load, as vLLM's --hf-overrides (DeepSeek-V3.2 / GLM-5:
     IndexCache's index_topk_pattern "FSSS..." or index_topk_freq; README "DeepSeek family").
+    kv_cache_dtype: the target's KV cache, "auto" (the served dtype) or "int8" (per token and KV head scaled
+    records: half a bf16 cache's bytes; standard attention, not exact mode; README "Speed").
     """
 
     def __init__(
@@ -130,6 +132,7 @@ class LLM:
         exact: bool = False,
         hf_overrides: dict | None = None,
         verify_kernels: str = "auto",
+        kv_cache_dtype: str = "auto",
     ):
         model_dir = Path(model) if model is not None else default_model_dir()
         if not model_dir.is_dir():
@@ -137,7 +140,7 @@ class LLM:
         self.config = EngineConfig(model=model_dir, dtype=dtype, device=device, max_num_seqs=max_num_seqs,
                                    max_model_len=max_model_len, seed=seed, quantization=quantization,
                                    compile=compile, exact=exact, hf_overrides=hf_overrides,
-                                   verify_kernels=verify_kernels)
+                                   verify_kernels=verify_kernels, kv_cache_dtype=kv_cache_dtype)
         self.device = self.config.torch_device()
         self.dtype = self.config.torch_dtype()
         self.tokenizer = Tokenizer(model_dir)
@@ -147,6 +150,9 @@ class LLM:
         if exact and self.model.config.is_mla:
             raise ConfigError("exact=True covers standard attention; this model uses MLA (DeepSeek family), which has "
                               "no invariant kernel yet")
+        if self.config.kv_cache_dtype != "auto" and (self.model.config.is_mla or self.model.config.index_topk):
+            raise ConfigError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} covers standard attention; this model "
+                              "uses MLA / DSA (DeepSeek family), whose caches keep the served dtype: use 'auto'")
         if exact:
             _prepare_exact(self.model, self.dtype, self.device)
         elif self.quantization is not None and verify_kernels == "auto":
@@ -159,7 +165,7 @@ class LLM:
                               f"(max_position_embeddings={context}); accepted: 2 .. {context}, or None for {context}")
         self.max_model_len = max_model_len or context
         self.runner = Runner(self.model, max_num_seqs, self.max_model_len, self.dtype, self.device, self.quantization,
-                             compile=compile, exact=exact)
+                             compile=compile, exact=exact, kv_cache_dtype=self.config.kv_cache_torch_dtype())
         widen_lean_path(self.runner)  # before any request holds a KV slot (and before the cost profile)
         self.scheduler = Scheduler(max_num_seqs, self.tokenizer)
         self.eos_token_ids = tuple(dict.fromkeys(

@@ -50,7 +50,8 @@ class ForwardResult:
 
 class Runner:
     def __init__(self, model: LlamaForCausalLM, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
-                 quantization: QuantScheme | None = None, compile: bool = False, exact: bool = False):
+                 quantization: QuantScheme | None = None, compile: bool = False, exact: bool = False,
+                 kv_cache_dtype: torch.dtype | None = None):
         self.model = model
         self.exact = exact  # attention by exact mode's invariant kernel (the model's linears are made row-invariant by LLM)
         self.quantization = quantization  # how the weights are stored (drafters follow it; cost profiles key on it)
@@ -58,7 +59,7 @@ class Runner:
         self.device = device
         self.dtype = dtype
         self.max_len = max_len
-        self.kv_cache = KVCache(model.config, num_slots, max_len, dtype, device)
+        self.kv_cache = KVCache(model.config, num_slots, max_len, kv_cache_dtype or dtype, device)  # int8: records
         # when a ragged batch is split into several forwards (a query head's group: the attention kernel's reach)
         self.grouping = LengthGrouping.for_device(device, model.config.num_attention_heads
                                                   // model.config.num_key_value_heads)

@@ -17,6 +17,8 @@
 //   values: a sequential sum over the visible keys in column order, vectorised over the head
 //           dimension, divided by the sum at the end; with AVX-512, several rows at a time share
 //           each value's load and widening (each row's sums unchanged).
+// An int8 cache (AVX-512): scores as bf16's, on the keys widened to fp32 and times each key's scale;
+// values weighted by probability x the value's scale (cached_attention.h, "An int8 KV cache").
 // A row's result therefore depends on its own query, its keys and its mask row only: not on the
 // other rows, the batch or the number of tokens in the step. More than kMaxRows rows (prefill) or a
 // head size this code does not cover take PyTorch's kernel, as do other dtypes and devices.
@@ -36,17 +38,23 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& keys
   const int64_t B = q.size(0), KVH = q.size(1), R = q.size(2), D = q.size(3), S = keys.size(1);
   TORCH_CHECK(group >= 1 && R % group == 0, "cached_attention: rows are group x tokens");
   const int64_t T = R / group;
-  const bool served = attention_kernels::serves(R, D, S) &&
+  // An int8 cache (kv_cache_dtype "int8"): keys and values are records of D values and their scale.
+  const bool quantized = keys.scalar_type() == at::kChar;
+  const int64_t record = quantized ? D + attention_kernels::kScaleBytes : D;
+  TORCH_CHECK(values.scalar_type() == keys.scalar_type() && keys.size(3) == record && values.sizes() == keys.sizes(),
+              "cached_attention: keys and values do not match q");
+  const bool served = attention_kernels::serves(R, D, S, quantized) &&
                       (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
-                      keys.scalar_type() == q.scalar_type() && values.scalar_type() == q.scalar_type() &&
-                      keys.stride(3) == 1 && values.stride(3) == 1 && q.device().is_cpu();
+                      (quantized || keys.scalar_type() == q.scalar_type()) && keys.stride(3) == 1 &&
+                      values.stride(3) == 1 && q.device().is_cpu();
   if (!served) {  // prefill widths and the rest: PyTorch's kernel, the mask expanded to the rows
     c10::optional<torch::Tensor> rows_mask;
     if (mask.has_value()) rows_mask = mask->expand({B, group, T, S}).reshape({B, 1, R, S});
-    return at::scaled_dot_product_attention(q, keys.transpose(1, 2), values.transpose(1, 2), rows_mask);
+    const auto k = quantized ? attention_kernels::dequantize_records(keys, q.scalar_type()) : keys;
+    const auto v = quantized ? attention_kernels::dequantize_records(values, q.scalar_type()) : values;
+    return at::scaled_dot_product_attention(q, k.transpose(1, 2), v.transpose(1, 2), rows_mask);
   }
-  TORCH_CHECK(keys.size(0) == B && keys.size(2) == KVH && keys.size(3) == D && values.sizes() == keys.sizes(),
-              "cached_attention: keys and values do not match q");
+  TORCH_CHECK(keys.size(0) == B && keys.size(2) == KVH, "cached_attention: keys and values do not match q");
   torch::Tensor mask_rows;
   if (mask.has_value()) {
     TORCH_CHECK(mask->scalar_type() == at::kBool, "cached_attention: a bool mask");
@@ -59,8 +67,12 @@ torch::Tensor cached_attention(const torch::Tensor& q, const torch::Tensor& keys
   const int64_t vs[3] = {values.stride(0), values.stride(1), values.stride(2)};
   AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, q.scalar_type(), "cached_attention", [&] {
     if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, at::BFloat16>) {
-      attend(qc.data_ptr<scalar_t>(), B, KVH, R, D, keys.data_ptr<scalar_t>(), ks, values.data_ptr<scalar_t>(), vs, S,
-             m, T, out.data_ptr<scalar_t>());
+      if (quantized)
+        attend(qc.data_ptr<scalar_t>(), B, KVH, R, D, keys.data_ptr<int8_t>(), ks, values.data_ptr<int8_t>(), vs, S,
+               m, T, out.data_ptr<scalar_t>());
+      else
+        attend(qc.data_ptr<scalar_t>(), B, KVH, R, D, keys.data_ptr<scalar_t>(), ks, values.data_ptr<scalar_t>(), vs,
+               S, m, T, out.data_ptr<scalar_t>());
     }
   });
   return out;
@@ -75,4 +87,6 @@ TORCH_LIBRARY_IMPL(specdecode_attn, CPU, m) { m.impl("cached_attention", &cached
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The op is registered with the dispatcher above (torch.ops.specdecode_attn); this only says its reach.
   m.attr("max_rows") = attention_kernels::kMaxRows;
+  m.attr("serves_int8") = attention_kernels::serves(1, 64, 1, true);
+  m.def("quantize_records", &attention_kernels::quantize_records, "x [.., D] -> int8 records [.., D + 4]");
 }

@@ -46,3 +46,15 @@ def cached_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     """q [B, KVH, group * T, D] (row g * T + t: token t), keys / values [B, S, KVH, D] (cache views),
     mask [B, 1, T, S] bool or None (all visible) -> [B, KVH, group * T, D]."""
     return torch.ops.specdecode_attn.cached_attention(q, keys, values, mask, group)
+
+
+def serves_int8() -> bool:
+    """Whether the op attends over an int8 cache itself (built with AVX-512); elsewhere it dequantises the
+    cache for PyTorch's kernel."""
+    return available() and bool(load_extension("attention_cpu", SOURCE).serves_int8)
+
+
+def quantize_records(x: torch.Tensor) -> torch.Tensor:
+    """The C++ stack's quantiser (x [.., D] float32 / bf16 -> int8 records [.., D + 4]): tests hold it to
+    models/layers.py quantize_kv."""
+    return load_extension("attention_cpu", SOURCE).quantize_records(x)

@@ -9,7 +9,9 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace attention_kernels {
@@ -25,10 +27,42 @@ namespace {
 // 858), bf16 still won (710 / 931). 40 covers 17 tokens at group 2 and 9 at group 4.
 constexpr int64_t kMaxRows = 40;
 
+// An int8 KV cache (kv_cache_dtype "int8"): each (token, KV head) is one record of D int8 values and
+// then their float32 scale (4 bytes, unaligned), x ~ value x scale with scale = max |x| / 127, rounded
+// half to even (models/layers.py quantize_kv computes the same numbers with PyTorch's ops). Half the
+// bytes of a bf16 cache and a quarter of a float32 one: attention over a deep context streams them.
+constexpr int64_t kScaleBytes = 4;
+template <typename cache_t>
+constexpr bool kQuantized = std::is_same_v<cache_t, int8_t>;
+
+inline float record_scale(const int8_t* record, int64_t D) {
+  float scale;
+  std::memcpy(&scale, record + D, sizeof(float));
+  return scale;
+}
+
+// x [D] -> one record (D values, then the scale).
+template <typename scalar_t>
+void quantize_record(const scalar_t* x, int8_t* record, int64_t D) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(static_cast<float>(x[d])));
+  const float scale = amax / 127.0f;
+  const float divisor = scale > 0.0f ? scale : 1.0f;  // an all-zero head (or one that underflows) stays zero
+  for (int64_t d = 0; d < D; ++d) {
+    const float rounded = std::nearbyint(static_cast<float>(x[d]) / divisor);
+    record[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, rounded)));
+  }
+  std::memcpy(record + D, &scale, sizeof(float));
+}
+
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const at::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+inline __m256 load8(const int8_t* p) {  // int8 -> fp32 is exact
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // 8 vectors -> [sum of a0's lanes, ..., sum of a7's lanes], each by ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
@@ -72,6 +106,100 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_andnot_ps(hidden, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
 }
 
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// [a0+a1, a2+a3, .., a14+a15, b0+b1, .., b14+b15]
+inline __m512 pair_sums(__m512 a, __m512 b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
+}
+
+// 16 keys' dot products, lane j holding key j's 16 partial sums -> [key 0's sum, .., key 15's], each by
+// one fixed tree of pairwise sums.
+inline __m512 sum_keys16(const __m512* acc) {
+  __m512 p[8], r[4], t[2];
+  for (int i = 0; i < 8; ++i) p[i] = pair_sums(acc[2 * i], acc[2 * i + 1]);  // 8 partial sums a key
+  for (int i = 0; i < 4; ++i) r[i] = pair_sums(p[2 * i], p[2 * i + 1]);      // 4
+  for (int i = 0; i < 2; ++i) t[i] = pair_sums(r[2 * i], r[2 * i + 1]);      // 2
+  return pair_sums(t[0], t[1]);
+}
+
+// The keys of block s0.. a row sees: all 16, less those hidden by its mask or past S.
+inline __mmask16 seen16(const bool* visible, int64_t s0, int64_t S) {
+  __mmask16 seen = 0xFFFF;
+  if (visible != nullptr || s0 + 16 > S)
+    for (int j = 0; j < 16; ++j)
+      if (!(s0 + j < S && (visible == nullptr || visible[s0 + j]))) seen &= static_cast<__mmask16>(~(1u << j));
+  return seen;
+}
+
+// Scores against an int8 cache's keys (AVX-512): 16 keys at a time, each key's values widened to fp32
+// and its dot product with the query taken in 16 lanes, the lanes summed as the bf16 kernel sums
+// them, then times the key's scale and 1 / sqrt(D).
+template <int DV, typename scalar_t>
+float row_scores(const scalar_t* q, const int8_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
+                 float* scores) {
+  constexpr int Z = DV / 2;  // 16-value chunks of the head (every head size `serves` takes is whole ones)
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 qz[Z];
+  for (int c = 0; c < Z; ++c) qz[c] = load16(q + c * 16);
+  __m512 vmax = _mm512_set1_ps(neg_inf);
+  alignas(64) float key_scales[16];
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    __m512 acc[16];
+    const bool tail = s0 + 16 > S;
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; ++j) {
+      const int8_t* key = k + (tail ? std::min<int64_t>(s0 + j, S - 1) : s0 + j) * ks;  // past S: a real key, hidden
+      __m512 a = _mm512_mul_ps(qz[0], load16(key));
+#pragma GCC unroll 16
+      for (int c = 1; c < Z; ++c) a = _mm512_fmadd_ps(qz[c], load16(key + c * 16), a);
+      acc[j] = a;
+      key_scales[j] = record_scale(key, DV * 8);
+    }
+    const __m512 factors = _mm512_mul_ps(_mm512_load_ps(key_scales), _mm512_set1_ps(scale));
+    const __m512 sc = _mm512_mul_ps(sum_keys16(acc), factors);  // lane j: key s0 + j
+    const __m512 kept = _mm512_mask_blend_ps(seen16(visible, s0, S), _mm512_set1_ps(neg_inf), sc);
+    _mm512_storeu_ps(scores + s0, kept);
+    vmax = _mm512_max_ps(vmax, kept);
+  }
+  return _mm512_reduce_max_ps(vmax);  // a maximum: exact in any order
+}
+#endif
+
+// An int8 cache's records [.., D + 4] -> their values [.., D] in `dtype` (value x scale in float32, then
+// rounded): what PyTorch's attention reads where this kernel does not serve (models/layers.py
+// dequantize_kv computes the same).
+inline torch::Tensor dequantize_records(const torch::Tensor& records, at::ScalarType dtype) {
+  const int64_t D = records.size(-1) - kScaleBytes;
+  const auto scales = records.narrow(-1, D, kScaleBytes).contiguous().view(at::kFloat);  // [.., 1]
+  return records.narrow(-1, 0, D).to(at::kFloat).mul(scales).to(dtype);
+}
+
+// x [.., D] (float32 or bf16) -> its records [.., D + 4] by quantize_record.
+inline torch::Tensor quantize_records(const torch::Tensor& x) {
+  const int64_t D = x.size(-1), rows = x.numel() / std::max<int64_t>(D, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = D + kScaleBytes;
+  auto records = torch::empty(sizes, x.options().dtype(at::kChar));
+  const auto xc = x.contiguous();
+  int8_t* out = records.data_ptr<int8_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "quantize_records", [&] {
+    const scalar_t* in = xc.data_ptr<scalar_t>();
+    for (int64_t r = 0; r < rows; ++r) quantize_record(in + r * D, out + r * (D + kScaleBytes), D);
+  });
+  return records;
+}
+
 // Phase 1 for one query row against S keys of one KV head: scores[s] = q . k(s) / sqrt(D), -inf where
 // the key is hidden (mask false, or past S); returns the row's maximum. DV = D / 8 vectors per head;
 // k(s): key s (stride ks elements); visible: the row's mask (nullptr: every key); scores: [S rounded
@@ -111,12 +239,6 @@ float row_scores(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* v
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// [a0+a1, a2+a3, .., a14+a15, b0+b1, .., b14+b15]
-inline __m512 pair_sums(__m512 a, __m512 b) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-  return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
-}
 
 // bf16 rows on CPUs with AVX-512 BF16: 16 keys at a time, each key's dot product in 16 lanes by
 // vdpbf16ps (32 bf16 products a step, in fp32, no conversions), the 16 keys' lanes summed by one
@@ -143,16 +265,8 @@ float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t ks, const
       for (int c = 1; c < Z; ++c) a = _mm512_dpbf16_ps(a, qz[c], (__m512bh)_mm512_loadu_si512(key + c * 32));
       acc[j] = a;
     }
-    __m512 p[8], r[4], t[2];
-    for (int i = 0; i < 8; ++i) p[i] = pair_sums(acc[2 * i], acc[2 * i + 1]);  // 8 partial sums a key
-    for (int i = 0; i < 4; ++i) r[i] = pair_sums(p[2 * i], p[2 * i + 1]);      // 4
-    for (int i = 0; i < 2; ++i) t[i] = pair_sums(r[2 * i], r[2 * i + 1]);      // 2
-    const __m512 sc = _mm512_mul_ps(pair_sums(t[0], t[1]), _mm512_set1_ps(scale));  // lane j: key s0 + j
-    __mmask16 seen = 0xFFFF;
-    if (visible != nullptr || tail)
-      for (int j = 0; j < 16; ++j)
-        if (!(s0 + j < S && (visible == nullptr || visible[s0 + j]))) seen &= static_cast<__mmask16>(~(1u << j));
-    const __m512 kept = _mm512_mask_blend_ps(seen, _mm512_set1_ps(neg_inf), sc);
+    const __m512 sc = _mm512_mul_ps(sum_keys16(acc), _mm512_set1_ps(scale));  // lane j: key s0 + j
+    const __m512 kept = _mm512_mask_blend_ps(seen16(visible, s0, S), _mm512_set1_ps(neg_inf), sc);
     _mm512_storeu_ps(scores + s0, kept);
     vmax = _mm512_max_ps(vmax, kept);
   }
@@ -162,8 +276,8 @@ float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t ks, const
 
 // Phases 1 and 2: scores[0, S) become exp(score - max) (exact zeros where hidden); returns their
 // sum, 0 where the row sees no key.
-template <int DV, typename scalar_t>
-float row_probabilities(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
+template <int DV, typename scalar_t, typename cache_t>
+float row_probabilities(const scalar_t* q, const cache_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
                         float* scores) {
   const float m = row_scores<DV>(q, k, ks, visible, S, scale, scores);
   if (m == -std::numeric_limits<float>::infinity()) return 0.0f;  // sees no key (never in a decode step)
@@ -176,10 +290,17 @@ float row_probabilities(const scalar_t* q, const scalar_t* k, int64_t ks, const 
   return fixed_sum8(lanes);
 }
 
+// The weight of value s in a row's sum: its probability, times the value's scale in an int8 cache.
+template <typename cache_t>
+inline float value_weight(float p, const cache_t* value, int64_t D) {
+  if constexpr (kQuantized<cache_t>) return p * record_scale(value, D);
+  return p;
+}
+
 // Phase 3 for one row: out = sum over visible keys s, in order, of p(s) v(s) (each dimension's
 // FMA chain), divided by `sum`; zeros where the row sees no key.
-template <int DV, typename scalar_t>
-void row_values(const float* probs, float sum, const scalar_t* v, int64_t vs, int64_t S, scalar_t* out) {
+template <int DV, typename scalar_t, typename cache_t>
+void row_values(const float* probs, float sum, const cache_t* v, int64_t vs, int64_t S, scalar_t* out) {
   if (sum == 0.0f) {
     for (int64_t d = 0; d < DV * 8; ++d) out[d] = static_cast<scalar_t>(0.0f);
     return;
@@ -188,8 +309,8 @@ void row_values(const float* probs, float sum, const scalar_t* v, int64_t vs, in
   for (int c = 0; c < DV; ++c) acc[c] = _mm256_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
     if (probs[s] == 0.0f) continue;  // hidden (or underflowed) keys add nothing
-    const __m256 p = _mm256_set1_ps(probs[s]);
-    const scalar_t* value = v + s * vs;
+    const cache_t* value = v + s * vs;
+    const __m256 p = _mm256_set1_ps(value_weight(probs[s], value, DV * 8));
     for (int c = 0; c < DV; ++c) acc[c] = _mm256_fmadd_ps(p, load8(value + c * 8), acc[c]);
   }
   alignas(32) float row[DV * 8];
@@ -199,31 +320,26 @@ void row_values(const float* probs, float sum, const scalar_t* v, int64_t vs, in
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // Phase 3 for RC rows of one KV head at once: each value is loaded and widened once for all of them;
 // every row's arithmetic is row_values' (the same FMA chain per dimension, the same keys skipped),
 // so its result is too, bit for bit.
-template <int DV, int RC, typename scalar_t>
-void rows_values(const float* const* probs, const float* sums, const scalar_t* v, int64_t vs, int64_t S,
+template <int DV, int RC, typename scalar_t, typename cache_t>
+void rows_values(const float* const* probs, const float* sums, const cache_t* v, int64_t vs, int64_t S,
                  scalar_t* const* outs) {
   constexpr int Z = DV / 2;  // 16-value chunks of the head
   __m512 acc[RC][Z];
   for (int r = 0; r < RC; ++r)
     for (int c = 0; c < Z; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < S; ++s) {
-    const scalar_t* value = v + s * vs;
+    const cache_t* value = v + s * vs;
     __m512 vz[Z];
     for (int c = 0; c < Z; ++c) vz[c] = load16(value + c * 16);
 #pragma GCC unroll 8
     for (int r = 0; r < RC; ++r) {
       const float w = probs[r][s];
       if (w == 0.0f) continue;
-      const __m512 p = _mm512_set1_ps(w);
+      const __m512 p = _mm512_set1_ps(value_weight(w, value, DV * 8));
       for (int c = 0; c < Z; ++c) acc[r][c] = _mm512_fmadd_ps(p, vz[c], acc[r][c]);
     }
   }
@@ -237,10 +353,10 @@ void rows_values(const float* const* probs, const float* sums, const scalar_t* v
 #endif
 
 // One (sequence, KV head) task: its R query rows q [R, D] against S keys, key s at k + s * k_stride (values
-// likewise), row r under mask row r % T ([T, S] row-major; nullptr: every key) -> out [R, D]. `probs` holds
-// R x S rounded up to 16 floats, `sums` R.
-template <int DV, typename scalar_t>
-void attend_head(const scalar_t* q, int64_t R, const scalar_t* k, int64_t k_stride, const scalar_t* v,
+// likewise; in an int8 cache, each a record), row r under mask row r % T ([T, S] row-major; nullptr: every
+// key) -> out [R, D]. `probs` holds R x S rounded up to 16 floats, `sums` R.
+template <int DV, typename scalar_t, typename cache_t>
+void attend_head(const scalar_t* q, int64_t R, const cache_t* k, int64_t k_stride, const cache_t* v,
                  int64_t v_stride, int64_t S, const bool* mask, int64_t T, float* probs, float* sums, scalar_t* out) {
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DV * 8)));
   const int64_t padded = (S + 15) / 16 * 16;  // every row's probabilities, then their values
@@ -271,18 +387,18 @@ void attend_head(const scalar_t* q, int64_t R, const scalar_t* k, int64_t k_stri
 // stack's lean path): q [KVH, group x T, D] folded as `attend` takes it, its cache row's keys and values
 // (head h at k + h * ks[2], key s at + s * ks[1]: the same strides for every segment), S keys, mask
 // [T, S] or nullptr -> out [KVH, group x T, D].
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t = scalar_t>
 struct HeadSegment {
   const scalar_t* q;
-  const scalar_t* k;
-  const scalar_t* v;
+  const cache_t* k;
+  const cache_t* v;
   int64_t T, S;
   const bool* mask;
   scalar_t* out;
 };
 
-template <int DV, typename scalar_t>
-void attention_segments(const std::vector<HeadSegment<scalar_t>>& segments, int64_t KVH, int64_t group,
+template <int DV, typename scalar_t, typename cache_t>
+void attention_segments(const std::vector<HeadSegment<scalar_t, cache_t>>& segments, int64_t KVH, int64_t group,
                         const int64_t* ks, const int64_t* vs) {
   int64_t most = 0, rows = 0;  // the largest probs buffer and row count of a task
   for (const auto& seg : segments) {
@@ -306,7 +422,11 @@ void attention_segments(const std::vector<HeadSegment<scalar_t>>& segments, int6
 // (Gemma), 32 (small ones). PyTorch's kernel, which serves the rest, is slower at these widths and
 // does not compute a row alike whatever the rows and keys beside it: a padded verify batch then
 // rounds otherwise than plain decoding.
-inline bool serves(int64_t rows, int64_t head_dim, int64_t num_keys) {
+// An int8 cache's scores kernel is AVX-512's (elsewhere PyTorch's serves it, on the dequantised cache).
+inline bool serves(int64_t rows, int64_t head_dim, int64_t num_keys, bool quantized = false) {
+#if !defined(__AVX512F__)
+  if (quantized) return false;
+#endif
   return rows <= kMaxRows && num_keys > 0 &&
          (head_dim == 64 || head_dim == 128 || head_dim == 32 || head_dim == 80 || head_dim == 96 || head_dim == 256);
 }
@@ -314,9 +434,14 @@ inline bool serves(int64_t rows, int64_t head_dim, int64_t num_keys) {
 // The segments' (sequence, KV head) tasks split over the threads in one parallel region (every segment's
 // rows `serves` first): the C++ stack's lean path attends a batch's sequences, each over its own cache row
 // and mask, this way (one parallel region a sequence cost 1-10% of a 4-16-sequence decode step).
-template <typename scalar_t>
-void attend_segments(const std::vector<HeadSegment<scalar_t>>& segments, int64_t KVH, int64_t group, int64_t D,
-                     const int64_t* ks, const int64_t* vs) {
+template <typename scalar_t, typename cache_t>
+void attend_segments(const std::vector<HeadSegment<scalar_t, cache_t>>& segments, int64_t KVH, int64_t group,
+                     int64_t D, const int64_t* ks, const int64_t* vs) {
+#if !defined(__AVX512F__)
+  if constexpr (kQuantized<cache_t>) {
+    TORCH_CHECK(false, "cached attention over an int8 KV cache needs AVX-512 (`serves` says so)");
+  } else
+#endif
   switch (D) {
     case 32: return attention_segments<4>(segments, KVH, group, ks, vs);
     case 64: return attention_segments<8>(segments, KVH, group, ks, vs);
@@ -328,12 +453,13 @@ void attend_segments(const std::vector<HeadSegment<scalar_t>>& segments, int64_t
 }
 
 // q [B, KVH, R, D] contiguous (R = group x T rows per KV head, row g * T + t for token t); key (b, s, h)
-// at keys + b * ks[0] + s * ks[1] + h * ks[2] (values likewise with vs), its D elements contiguous;
-// mask [B, T, S] bool (row-major) or nullptr (every key visible) -> out [B, KVH, R, D]. `serves` first.
-template <typename scalar_t>
-void attend(const scalar_t* q, int64_t B, int64_t KVH, int64_t R, int64_t D, const scalar_t* keys, const int64_t* ks,
-            const scalar_t* values, const int64_t* vs, int64_t S, const bool* mask, int64_t T, scalar_t* out) {
-  std::vector<HeadSegment<scalar_t>> segments;
+// at keys + b * ks[0] + s * ks[1] + h * ks[2] (values likewise with vs), its D elements contiguous (an int8
+// cache's record: D values and the scale); mask [B, T, S] bool (row-major) or nullptr (every key visible)
+// -> out [B, KVH, R, D]. `serves` first.
+template <typename scalar_t, typename cache_t>
+void attend(const scalar_t* q, int64_t B, int64_t KVH, int64_t R, int64_t D, const cache_t* keys, const int64_t* ks,
+            const cache_t* values, const int64_t* vs, int64_t S, const bool* mask, int64_t T, scalar_t* out) {
+  std::vector<HeadSegment<scalar_t, cache_t>> segments;
   segments.reserve(B);
   for (int64_t b = 0; b < B; ++b)
     segments.push_back({q + b * KVH * R * D, keys + b * ks[0], values + b * vs[0], T, S,

@@ -699,10 +699,12 @@ class Stack {
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& l = layers_[i];
       const int64_t group = l.num_heads / l.num_kv_heads;
-      if (!attention_kernels::serves(group * T, l.head_dim, num_keys)) return false;
+      const bool quantized = k_[i].scalar_type() == at::kChar;  // an int8 cache: records of D values and a scale
+      if (!attention_kernels::serves(group * T, l.head_dim, num_keys, quantized)) return false;
+      const int64_t record = quantized ? l.head_dim + attention_kernels::kScaleBytes : l.head_dim;
       for (const torch::Tensor* cache : {&k_[i], &v_[i]})
-        if (cache->scalar_type() != dtype || cache->dim() != 4 || cache->stride(3) != 1 ||
-            cache->size(2) != l.num_kv_heads || cache->size(3) != l.head_dim || slot >= cache->size(0) ||
+        if (cache->scalar_type() != (quantized ? at::kChar : dtype) || cache->dim() != 4 || cache->stride(3) != 1 ||
+            cache->size(2) != l.num_kv_heads || cache->size(3) != record || slot >= cache->size(0) ||
             write_start + T > cache->size(1) || num_keys > cache->size(1))
           return false;
     }
@@ -739,15 +741,11 @@ class Stack {
     std::memcpy(x, x_in.data_ptr<scalar_t>(), T * d * sizeof(scalar_t));
     const auto options = x_in.options();
     std::vector<torch::Tensor> tapped(taps.size());
-    std::vector<attention_kernels::HeadSegment<scalar_t>> heads;  // a layer's segments as attention takes them
-    heads.reserve(segments.size());
     auto tap = [&](int64_t i) {
       for (size_t j = 0; j < taps.size(); ++j)
         if (taps[j] == i) tapped[j] = i == 0 ? x_in : copy_rows(x, x_in.sizes(), options);
     };
-    const scalar_t* cos_p = cos.data_ptr<scalar_t>();
-    const scalar_t* sin_p = sin.data_ptr<scalar_t>();
-    const int64_t cos_t = cos.stride(1), sin_t = sin.stride(1);  // [1, T, 1, D]: a row's stride
+    const RopeRows<scalar_t> rope{cos.data_ptr<scalar_t>(), cos.stride(1), sin.data_ptr<scalar_t>(), sin.stride(1)};
     // x = x + y, rounded to the dtype as PyTorch's add rounds it (a float sum, either order).
     auto add_into_x = [&](const scalar_t* y) {
       for (int64_t j = 0; j < T * d; ++j) x[j] = static_cast<scalar_t>(static_cast<float>(x[j]) + static_cast<float>(y[j]));
@@ -779,32 +777,10 @@ class Stack {
                                      static_cast<float>(l.eps));
         q = q_normed, q_stride = H * D;
       }
-      // A segment's cache row's columns: rotated K and V written at write_start + t; its query rotated
-      // into the folded layout, head h = kv * group + g at row g * n + t of its KV head: (h * n + t) * D.
-      const int64_t ks[3] = {k_[i].stride(0), k_[i].stride(1), k_[i].stride(2)};
-      const int64_t vs[3] = {v_[i].stride(0), v_[i].stride(1), v_[i].stride(2)};
-      heads.clear();
-      for (const Segment& seg : segments) {
-        const int64_t n = seg.rows, r0 = seg.row_begin;
-        scalar_t* cache_k = k_[i].data_ptr<scalar_t>() + seg.slot * ks[0];
-        scalar_t* cache_v = v_[i].data_ptr<scalar_t>() + seg.slot * vs[0];
-        scalar_t* seg_folded = folded + r0 * H * D;
-        for (int64_t t = 0; t < n; ++t) {
-          const scalar_t* c = cos_p + (seg.rope_row + t) * cos_t;
-          const scalar_t* sn = sin_p + (seg.rope_row + t) * sin_t;
-          const int64_t row = r0 + t;
-          for (int64_t kv = 0; kv < KVH; ++kv) {
-            rope_head(k + row * k_stride + kv * D, c, sn, cache_k + (seg.write_start + t) * ks[1] + kv * ks[2], D);
-            std::memcpy(cache_v + (seg.write_start + t) * vs[1] + kv * vs[2], qkv + row * W + (H + KVH) * D + kv * D,
-                        D * sizeof(scalar_t));
-          }
-          for (int64_t head = 0; head < H; ++head)
-            rope_head(q + row * q_stride + head * D, c, sn, seg_folded + (head * n + t) * D, D);
-        }
-        heads.push_back({seg_folded, cache_k, cache_v, n, seg.num_keys, seg.mask, attended + r0 * H * D});
-      }
-      // Every segment's attention in one parallel region (a region per segment cost ~2 us each beside the work).
-      attention_kernels::attend_segments(heads, KVH, group, D, ks, vs);
+      if (k_[i].scalar_type() == at::kChar)
+        attend_layer<scalar_t, int8_t>(i, segments, q, q_stride, k, k_stride, qkv, rope, folded, attended);
+      else
+        attend_layer<scalar_t, scalar_t>(i, segments, q, q_stride, k, k_stride, qkv, rope, folded, attended);
       for (const Segment& seg : segments) {
         const int64_t n = seg.rows, r0 = seg.row_begin;
         const scalar_t* seg_attended = attended + r0 * H * D;
@@ -841,6 +817,62 @@ class Stack {
     else
       std::memcpy(out.data_ptr<scalar_t>(), x, T * d * sizeof(scalar_t));
     return {out, tapped};
+  }
+
+  // The rows' RoPE tables: row r's cos at cos + r * cos_stride (sin likewise).
+  template <typename scalar_t>
+  struct RopeRows {
+    const scalar_t* cos;
+    int64_t cos_stride;
+    const scalar_t* sin;
+    int64_t sin_stride;
+  };
+
+  // Layer i's attention in a lean forward, from its q and k (row r at q + r * q_stride, k + r * k_stride,
+  // after their norms) and v (in qkv [T, W]): each segment's rotated K and its V written to its cache row's
+  // columns write_start + t (cache_t: the dtype, or int8 records, quantised from the rounded rotation), its
+  // query rotated into the folded layout (head h = kv * group + g at row g * n + t of its KV head: (h * n +
+  // t) * D), then every segment's attention in one parallel region (a region per segment cost ~2 us each
+  // beside the work) -> attended [KVH, group x n, D] per segment, at row_begin x H x D.
+  template <typename scalar_t, typename cache_t>
+  void attend_layer(int64_t i, const std::vector<Segment>& segments, const scalar_t* q, int64_t q_stride,
+                    const scalar_t* k, int64_t k_stride, const scalar_t* qkv, const RopeRows<scalar_t>& rope,
+                    scalar_t* folded, scalar_t* attended) const {
+    const Layer& l = layers_[i];
+    const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim, group = H / KVH, W = l.qkv.out_features;
+    const int64_t ks[3] = {k_[i].stride(0), k_[i].stride(1), k_[i].stride(2)};
+    const int64_t vs[3] = {v_[i].stride(0), v_[i].stride(1), v_[i].stride(2)};
+    std::vector<attention_kernels::HeadSegment<scalar_t, cache_t>> heads;
+    heads.reserve(segments.size());
+    alignas(64) scalar_t rotated[256];  // an int8 cache's rotated key before quantising (`serves`: D <= 256)
+    for (const Segment& seg : segments) {
+      const int64_t n = seg.rows, r0 = seg.row_begin;
+      cache_t* cache_k = k_[i].data_ptr<cache_t>() + seg.slot * ks[0];
+      cache_t* cache_v = v_[i].data_ptr<cache_t>() + seg.slot * vs[0];
+      scalar_t* seg_folded = folded + r0 * H * D;
+      for (int64_t t = 0; t < n; ++t) {
+        const scalar_t* c = rope.cos + (seg.rope_row + t) * rope.cos_stride;
+        const scalar_t* sn = rope.sin + (seg.rope_row + t) * rope.sin_stride;
+        const int64_t row = r0 + t;
+        for (int64_t kv = 0; kv < KVH; ++kv) {
+          cache_t* key = cache_k + (seg.write_start + t) * ks[1] + kv * ks[2];
+          cache_t* value = cache_v + (seg.write_start + t) * vs[1] + kv * vs[2];
+          const scalar_t* v = qkv + row * W + (H + KVH) * D + kv * D;
+          if constexpr (attention_kernels::kQuantized<cache_t>) {
+            rope_head(k + row * k_stride + kv * D, c, sn, rotated, D);
+            attention_kernels::quantize_record(rotated, key, D);
+            attention_kernels::quantize_record(v, value, D);
+          } else {
+            rope_head(k + row * k_stride + kv * D, c, sn, key, D);
+            std::memcpy(value, v, D * sizeof(scalar_t));
+          }
+        }
+        for (int64_t head = 0; head < H; ++head)
+          rope_head(q + row * q_stride + head * D, c, sn, seg_folded + (head * n + t) * D, D);
+      }
+      heads.push_back({seg_folded, cache_k, cache_v, n, seg.num_keys, seg.mask, attended + r0 * H * D});
+    }
+    attention_kernels::attend_segments(heads, KVH, group, D, ks, vs);
   }
 
   // y [T, out] = linear(x [T, in]): its kernel called directly within the lean width, past it the
@@ -883,19 +915,36 @@ class Stack {
     // contiguous (and, for writes, the columns shared), else an index write / a gather. A sliced write
     // gets the rotated K straight into its cache columns (the modules rotate into a new tensor, then
     // copy it there: the same values).
-    if (rows.slices()) {
+    // An int8 cache (records) takes the rotated K and the V quantised (write_columns does the same).
+    const bool quantized = cache_k.scalar_type() == at::kChar;
+    if (rows.slices() && !quantized) {
       const int64_t a = rows.slot_begin, b = rows.slot_end, start = rows.write_start;
       apply_rope_into(k, cos, sin, cache_k.slice(0, a, b).slice(1, start, start + T));
       cache_v.slice(0, a, b).slice(1, start, start + T).copy_(v);
     } else {
-      const auto k_rotated = torch::empty({B, T, KVH, D}, x.options());
+      auto k_rotated = torch::empty({B, T, KVH, D}, x.options());
       apply_rope_into(k, cos, sin, k_rotated);
-      const auto slots = rows.slot_ids->unsqueeze(1);  // [B, 1]
-      cache_k.index_put_({slots, *rows.write_indices}, k_rotated);
-      cache_v.index_put_({slots, *rows.write_indices}, v);
+      auto v_stored = v;
+      if (quantized) {
+        k_rotated = attention_kernels::quantize_records(k_rotated);
+        v_stored = attention_kernels::quantize_records(v);
+      }
+      if (rows.slices()) {
+        const int64_t a = rows.slot_begin, b = rows.slot_end, start = rows.write_start;
+        cache_k.slice(0, a, b).slice(1, start, start + T).copy_(k_rotated);
+        cache_v.slice(0, a, b).slice(1, start, start + T).copy_(v_stored);
+      } else {
+        const auto slots = rows.slot_ids->unsqueeze(1);  // [B, 1]
+        cache_k.index_put_({slots, *rows.write_indices}, k_rotated);
+        cache_v.index_put_({slots, *rows.write_indices}, v_stored);
+      }
     }
-    const auto keys = rows.read(cache_k, num_keys);  // [B, S, KVH, D]
-    const auto values = rows.read(cache_v, num_keys);
+    auto keys = rows.read(cache_k, num_keys);  // [B, S, KVH, D] (records [B, S, KVH, D + 4] in an int8 cache)
+    auto values = rows.read(cache_v, num_keys);
+    if (quantized && !cached_attention) {  // PyTorch's kernel reads the values
+      keys = attention_kernels::dequantize_records(keys, x.scalar_type());
+      values = attention_kernels::dequantize_records(values, x.scalar_type());
+    }
     const int64_t group = H / KVH, S = num_keys;
     torch::Tensor attn;  // [B, T, H * D]
     if (group > 1 || cached_attention) {

@@ -157,8 +157,34 @@ class AttentionBatch:
     sees_all: bool = False
 
 
+# An int8 KV cache (kv_cache_dtype "int8") stores each (token, KV head) as one record: its head_dim int8
+# values, then their float32 scale as 4 bytes (kernels/cached_attention.h reads the same layout).
+KV_SCALE_BYTES = 4
+
+
+def quantize_kv(x: torch.Tensor) -> torch.Tensor:
+    """x [.., D] -> int8 records [.., D + 4]: round(x / scale) with scale = max |x| / 127 (half to even;
+    an all-zero head stays zero), then the scale's bytes. kernels/cached_attention.h quantize_record
+    computes the same numbers (the C++ stack's cache writes)."""
+    xf = x.float()
+    scale = xf.abs().amax(-1, keepdim=True) / 127  # [.., 1]
+    values = torch.round(xf / torch.where(scale > 0, scale, 1.0)).clamp_(-127, 127).to(torch.int8)
+    return torch.cat((values, scale.view(torch.int8)), dim=-1)
+
+
+def dequantize_kv(records: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 records [.., D + 4] -> values x scale [.., D] in `dtype` (what PyTorch's attention reads where
+    the cached attention op does not serve: prefill widths, GPUs, compiled forwards)."""
+    D = records.shape[-1] - KV_SCALE_BYTES
+    scale = records[..., D:].contiguous().view(torch.float32)  # [.., 1]
+    return (records[..., :D].float() * scale).to(dtype)
+
+
 def write_columns(cache: torch.Tensor, batch: AttentionBatch, values: torch.Tensor) -> None:
-    """Store values [B, T, heads, width] at each sequence's slot and write columns."""
+    """Store values [B, T, heads, width] at each sequence's slot and write columns (an int8 cache's as
+    records, `quantize_kv`)."""
+    if cache.dtype == torch.int8 and values.dtype != torch.int8:
+        values = quantize_kv(values)
     if batch.write_start is not None and batch.slot_range is not None:
         (a, b), start, T = batch.slot_range, batch.write_start, values.shape[1]
         cache[a:b, start:start + T] = values

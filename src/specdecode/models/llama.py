@@ -24,8 +24,9 @@ from torch import nn
 from specdecode.kernels import attention_cpu
 from specdecode.models.config import ModelConfig
 from specdecode.models.dsa import SparseContext
-from specdecode.models.layers import (MLP, AttentionBatch, RMSNorm, RotaryEmbedding, apply_rope,  # noqa: F401 (re-exported)
-                                      apply_rope_interleaved, read_columns, write_columns, write_kv)
+from specdecode.models.layers import (KV_SCALE_BYTES, MLP, AttentionBatch, RMSNorm, RotaryEmbedding,  # noqa: F401
+                                      apply_rope, apply_rope_interleaved, dequantize_kv, read_columns, write_columns,
+                                      write_kv)
 from specdecode.models.mla import MLAAttention
 from specdecode.models.moe import MoE
 from specdecode.models.native_stack import (ServedTypes, batch_served, native_block_for, native_chain_for,
@@ -49,6 +50,12 @@ class KVCache:
     def __init__(self, config: ModelConfig, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device,
                  layer_ids: range | list[int] | None = None):
         layer_ids = list(range(config.num_hidden_layers) if layer_ids is None else layer_ids)
+        # dtype torch.int8: K and V hold one record per (token, KV head), head_dim int8 values and their
+        # float32 scale (`quantize_kv`): half a bf16 cache's bytes that attention streams at depth.
+        quantized = dtype == torch.int8
+        if quantized and (config.is_mla or any(config.indexer_runs(i) for i in layer_ids)):
+            raise ValueError("an int8 KV cache covers standard attention; MLA / DSA caches keep the model's dtype")
+        record = KV_SCALE_BYTES if quantized else 0
 
         def columns(width: int, heads: int = 1) -> torch.Tensor:
             # Stored head-major, [num_slots, heads, max_len + 1, width], seen through a transposed view: a head's
@@ -61,8 +68,8 @@ class KVCache:
             self.k = [columns(config.kv_lora_rank + config.head_dim) for _ in layer_ids]
             self.v = [columns(0) for _ in layer_ids]
         else:
-            self.k = [columns(config.head_dim, config.num_key_value_heads) for _ in layer_ids]
-            self.v = [columns(config.head_dim, config.num_key_value_heads) for _ in layer_ids]
+            self.k = [columns(config.head_dim + record, config.num_key_value_heads) for _ in layer_ids]
+            self.v = [columns(config.head_dim + record, config.num_key_value_heads) for _ in layer_ids]
         self.index_k = [columns(config.index_head_dim) if config.indexer_runs(i) else None for i in layer_ids]
         self.num_slots = num_slots
         self.max_len = max_len
@@ -201,6 +208,8 @@ class Attention(nn.Module):
             mask = None  # no mask to apply (and no causal one either: every query sees every key)
         group = self.num_heads // self.num_kv_heads
         cached_op = cache_k is not None and attention_cpu.serves(q)  # eager CPU inference: the C++ op
+        if cache_k is not None and cache_k.dtype == torch.int8 and not cached_op:  # PyTorch's kernel: the values
+            k, v = dequantize_kv(k, q.dtype), dequantize_kv(v, q.dtype)
         if cached_op or (group > 1 and (mask is not None or cache_k is not None)):
             # GQA with an explicit mask or a cache: the `group` query heads that share a KV head
             # become `group` x T queries of that head, under the same per-token mask (if any).

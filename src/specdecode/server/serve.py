@@ -20,13 +20,14 @@ def create_server(model: str | None = None, speculative_config=None, dtype: str 
                   hf_overrides: dict | None = None, max_num_seqs: int = 16, max_model_len: int | None = None, api_key: str | None = None,
                   served_model_name: str | None = None, log_interval: float = 10.0,
                   max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, max_waiting: int = 256,
-                  public_metrics: bool = False, verify_kernels: str = "auto"):
+                  public_metrics: bool = False, verify_kernels: str = "auto", kv_cache_dtype: str = "auto"):
     """(app, engine): the engine loop is started; the caller serves the app and shuts the engine down."""
     for key, value, least in (("max_request_bytes", max_request_bytes, 1024), ("max_waiting", max_waiting, 0)):
         if not isinstance(value, int) or isinstance(value, bool) or value < least:
             raise ConfigError(f"{key} must be an integer >= {least}, got {value!r}")
     llm = LLM(model=model, dtype=dtype, device=device, speculative_config=speculative_config, quantization=quantization,
               compile=compile, exact=exact, hf_overrides=hf_overrides, verify_kernels=verify_kernels,
+              kv_cache_dtype=kv_cache_dtype,
               max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     name = served_model_name or Path(llm.config.model).name
     engine = AsyncEngine(llm, ServerMetrics(name), log_interval=log_interval, max_waiting=max_waiting)
