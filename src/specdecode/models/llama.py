@@ -35,7 +35,8 @@ from specdecode.models.native_stack import (ServedTypes, batch_served, native_bl
 
 class KVCache:
     """Static cache: per layer K and V of shape [num_slots, max_len + 1, num_kv_heads, head_dim] (views of
-    head-major storage: a head's columns are contiguous).
+    head-major storage: a head's columns are contiguous); with dtype torch.int8 (kv_cache_dtype "int8")
+    [.., head_dim + 4] records, each head's values and their float32 scale (models/layers.py quantize_kv).
 
     A sequence owns one slot (row). Its length lives with the sequence, not here, so rolling
     back k tokens is setting a length: stale columns past it are masked out and overwritten
