@@ -117,6 +117,21 @@ def make_native_model(out: Path, seed: int = 0, layers: int = 2, hidden: int = 6
     return out
 
 
+def bf16_copy(src: Path, out: Path) -> Path:
+    """A copy of a checkpoint folder whose floating-point tensors are rounded to bf16 and stored so (a
+    bf16 checkpoint, which float32 serving keeps in bf16 on CPUs with AVX-512: models/inference.py
+    `Bf16WeightLinear`). Other files are copied as they are."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    for file in out.glob("*.safetensors"):
+        tensors = load_file(str(file))
+        save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()}, str(file))
+    return out
+
+
 def train_briefly(recipe, drafter, target, steps: int, window_shape: tuple[int, int], lr: float = 3e-3) -> list[float]:
     """A few optimizer steps of a drafter recipe on random windows; returns the losses."""
     opt = torch.optim.AdamW([p for p in drafter.parameters() if p.requires_grad], lr=lr)

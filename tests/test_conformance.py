@@ -11,8 +11,10 @@ first test fails until it is), and then gets the lossless checks for free:
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from helpers import CASES, PROMPTS, cases, generate_ids
+from helpers import CASES, PROMPTS, bf16_copy, cases, generate_ids
 
 from specdecode import LLM, SamplingParams
 from specdecode.errors import SpecDecodeError
@@ -57,6 +59,26 @@ def test_greedy_equals_plain_decoding_with_an_int8_kv_cache(native_model, spec_c
     columns move as records)."""
     plain = generate_ids(native_model, PROMPTS, GREEDY, kv_cache_dtype="int8")
     llm = LLM(native_model, dtype="float32", max_num_seqs=4, speculative_config=spec_config, kv_cache_dtype="int8")
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics.num_draft_tokens for o in outs) > 0
+
+
+@cases
+def test_greedy_equals_plain_decoding_with_bf16_weights(native_model, spec_config, tmp_path):
+    """A bf16 checkpoint served in float32 keeps its weights as bf16 (Bf16WeightLinear, target and drafter):
+    speculation still changes nothing, against plain decoding of the same checkpoint."""
+    from specdecode.kernels import gemv_bf16w_cpu
+    from specdecode.models.inference import Bf16WeightLinear
+
+    if not gemv_bf16w_cpu.available("cpu"):
+        pytest.skip("the bf16-weight kernel needs AVX-512")
+    target = bf16_copy(native_model, tmp_path / "target")
+    if "model" in spec_config:
+        spec_config = {**spec_config, "model": str(bf16_copy(Path(spec_config["model"]), tmp_path / "drafter"))}
+    plain = generate_ids(target, PROMPTS, GREEDY)
+    llm = LLM(target, dtype="float32", max_num_seqs=4, speculative_config=spec_config)
+    assert isinstance(llm.model.lm_head, Bf16WeightLinear)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.metrics.num_draft_tokens for o in outs) > 0

@@ -132,12 +132,13 @@ def test_the_default_models_layers_get_tilings_under_which_their_rows_are_invari
     from specdecode.models.loader import load_model
     from specdecode.models.quant import QuantScheme
 
-    for scheme in (None, QuantScheme.parse("int8")):
-        model = load_model(default_model_dir(), torch.bfloat16, "cpu", scheme)
-        make_rows_invariant(model, torch.bfloat16, "cpu")
+    # float32: where the CPU has AVX-512, the bf16 checkpoint's layers keep bf16 weights (Bf16WeightLinear).
+    for dtype, scheme in ((torch.bfloat16, None), (torch.bfloat16, QuantScheme.parse("int8")), (torch.float32, None)):
+        model = load_model(default_model_dir(), dtype, "cpu", scheme)
+        make_rows_invariant(model, dtype, "cpu")
         layers = model.model.layers[0]
         for layer in (layers.self_attn.qkv, layers.mlp.down_proj, model.lm_head):
-            x = torch.randn(17, layer.in_features, generator=torch.Generator().manual_seed(3)).bfloat16()
+            x = torch.randn(17, layer.in_features, generator=torch.Generator().manual_seed(3)).to(dtype)
 
             def rows(t):
                 out = layer(t)

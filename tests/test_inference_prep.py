@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specdecode.models import inference
-from specdecode.models.inference import FusedMember, PackedLinear, can_pack, pack_linears
+from specdecode.models.inference import FusedMember, PackedLinear, can_pack, swap_linears
 from specdecode.models.llama import FusedLinear, fuse_projections
 from specdecode.models.loader import load_model
 
@@ -38,7 +38,7 @@ def test_a_member_of_a_packed_fused_projection_returns_its_part():
     holder = torch.nn.Module()
     holder.q_proj, holder.k_proj, holder.v_proj = q, k, torch.nn.Linear(32, 8, bias=False).bfloat16()
     holder.qkv = FusedLinear(holder.q_proj, holder.k_proj, holder.v_proj)
-    pack_linears(holder)
+    swap_linears(holder, PackedLinear)
     assert torch.equal(holder.k_proj(x), expected_k) and torch.equal(holder.qkv(x)[0], expected_q)
     assert len([m for m in holder.modules() if isinstance(m, PackedLinear)]) == 1  # members hold no copy
 
@@ -47,6 +47,6 @@ def test_fuse_then_pack_keeps_a_plain_module_working():
     module = fuse_projections(torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.SiLU()).bfloat16())
     x = torch.randn(2, 16).bfloat16()
     expected = module(x)
-    pack_linears(module)
+    swap_linears(module, PackedLinear)
     assert isinstance(module[0], PackedLinear) and torch.equal(module(x), expected)
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import make_hf_model, make_native_model
+from helpers import bf16_copy, make_hf_model, make_native_model
 
 from specdecode import LLM, SamplingParams
 from specdecode.engine.ragged import ForwardEntry
-from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int8_cpu
+from specdecode.kernels import decode_stack_cpu, gemm_a8_cpu, gemv_bf16w_cpu, gemv_cpu, gemv_int8_cpu
 from specdecode.models import kernel_probe, llama, native_stack, wide_kernels
-from specdecode.models.inference import PackedLinear, can_pack, detach_few_row_kernels
+from specdecode.models.inference import Bf16WeightLinear, PackedLinear, can_pack, detach_few_row_kernels
 from specdecode.models.quant import QuantizedLinear
 from specdecode.models.layers import AttentionBatch
 
@@ -203,6 +203,24 @@ def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels
     # (embedding to logits): decode steps, ragged columns and rows, verifications
     assert stack_calls.batches == [[1, 1], [2, 1], [1, 2], [1, 1], [4, 3], [3, 3]]
     assert stack.lean_forwards() == 10
+
+
+@pytest.mark.parametrize("model,kv_cache_dtype", [("native_model", "auto"), ("lean_model", "auto"),
+                                                   ("lean_model", "int8")])
+def test_bf16_weights_with_float32_activations_equal_the_modules_bit_for_bit(request, tmp_path, stack_calls,
+                                                                            monkeypatch, model, kv_cache_dtype):
+    # A bf16 checkpoint served in float32 (Bf16WeightLinear): the stack calls the layers' op (heads of 16),
+    # the lean path the kernel itself (heads of 32), at every width.
+    if not gemv_bf16w_cpu.available("cpu"):
+        pytest.skip("the bf16-weight kernel needs AVX-512")
+    llm = LLM(bf16_copy(request.getfixturevalue(model), tmp_path / "m"), dtype="float32", max_num_seqs=2,
+              kv_cache_dtype=kv_cache_dtype)
+    assert isinstance(llm.model.model.layers[0].mlp.down_proj, Bf16WeightLinear)
+    stack = native_stack.native_stack_for(llm.model, llama.NATIVE_TYPES)
+    _compare(llm, stack_calls, monkeypatch)
+    if model == "lean_model" and gemm_a8_cpu.available("cpu"):  # the lean path is built with the VNNI kernels
+        assert stack_calls.batches == [[1, 1], [2, 1], [1, 2], [1, 1], [4, 3], [3, 3]]
+        assert stack.lean_forwards() == 10
 
 
 def test_the_lean_path_runs_a_bf16_layers_own_op_past_the_lean_width(lean_model, forced_kernels, stack_calls,

@@ -26,6 +26,7 @@ from specdecode.bench.timing import (ROUND_PROMPTS, Measured, measure_interleave
 from specdecode.config import SamplingParams
 from specdecode.engine.engine import LLM
 from specdecode.errors import ConfigError
+from specdecode.models.inference import Bf16WeightLinear
 
 __all__ = ["PEERS", "BenchConfig", "machine_info", "run_bench",
            # re-exported from the modules they moved to
@@ -85,6 +86,8 @@ def machine_info(llm: LLM) -> dict:
         "specdecode": specdecode.__version__, "device": str(llm.device), "dtype": str(llm.dtype).replace("torch.", ""),
         "quantization": llm.quantization.name if llm.quantization is not None else None,
         "exact": llm.exact, "kv_cache_dtype": llm.config.kv_cache_dtype,
+        # float32 activations on a bf16 checkpoint's weights kept as bf16 (models/inference.py Bf16WeightLinear)
+        "bf16_weights": any(isinstance(m, Bf16WeightLinear) for m in llm.model.modules()),
         "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
     }
 

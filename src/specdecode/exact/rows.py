@@ -90,12 +90,14 @@ def _rows_of(layer):
 
 def _same_kind(layer, weight: torch.Tensor, dtype: torch.dtype):
     """A layer that runs the same kernel as `layer` (same class, shape, scheme, dtype) with `weight`."""
-    from specdecode.models.inference import PackedLinear
+    from specdecode.models.inference import Bf16WeightLinear, PackedLinear
     from specdecode.models.llama import FusedLinear
     from specdecode.models.quant import QuantizedLinear
 
     if isinstance(layer, PackedLinear):
         return _rows_of(PackedLinear(weight.to(layer.dtype), None))
+    if isinstance(layer, Bf16WeightLinear):
+        return _rows_of(Bf16WeightLinear(weight, None))  # +-1: bf16 values
     if isinstance(layer, QuantizedLinear):
         quantized = QuantizedLinear.from_weight(weight, None, layer.scheme)
         quantized.prepare(dtype)
@@ -106,8 +108,8 @@ def _same_kind(layer, weight: torch.Tensor, dtype: torch.dtype):
 
 
 class RowTiled(nn.Module):
-    """A dense `nn.Linear` or fused projection called under a `RowTiling`. (Packed and quantised
-    layers take it as their `row_tiling` attribute instead: no extra module call per forward.)"""
+    """A dense `nn.Linear` or fused projection called under a `RowTiling`. (Packed, bf16-weight and
+    quantised layers take it as their `row_tiling` attribute instead: no extra module call per forward.)"""
 
     def __init__(self, layer, tiling: RowTiling):
         super().__init__()
@@ -139,13 +141,13 @@ def make_rows_invariant(model: nn.Module, dtype: torch.dtype, device) -> dict[st
     (in place; dense layers are wrapped in a `RowTiled`). Returns {module path: tiling} of the
     layers that needed more than chunking (padded, fixed-size or single-row calls). Probes are shared by
     layers of the same kind and shape."""
-    from specdecode.models.inference import FusedMember, PackedLinear
+    from specdecode.models.inference import Bf16WeightLinear, FusedMember, PackedLinear
     from specdecode.models.llama import FUSED_MEMBERS, FusedLinear
     from specdecode.models.quant import QuantizedLinear
     from specdecode.models.inference import detach_few_row_kernels
 
     detach_few_row_kernels(model)  # one kernel at every width: the tilings are probed on oneDNN's
-    layer_types = (nn.Linear, PackedLinear, QuantizedLinear)
+    layer_types = (nn.Linear, PackedLinear, Bf16WeightLinear, QuantizedLinear)
     tilings: dict[tuple, RowTiling] = {}
     special: dict[str, RowTiling] = {}
     for owner_name, owner in list(model.named_modules()):
@@ -163,7 +165,7 @@ def make_rows_invariant(model: nn.Module, dtype: torch.dtype, device) -> dict[st
                 with torch.inference_mode():
                     tilings[key] = probe_row_tiling(layer, K, N, dtype, device)
             tiling = tilings[key]
-            if isinstance(layer, (PackedLinear, QuantizedLinear)):
+            if isinstance(layer, (PackedLinear, Bf16WeightLinear, QuantizedLinear)):
                 layer.row_tiling = tiling
             else:
                 setattr(owner, name, RowTiled(layer, tiling))

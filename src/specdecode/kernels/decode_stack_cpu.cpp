@@ -44,6 +44,7 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
 #define SPECDECODE_LEAN_PATH 1
 #include "a8_gemm.h"
+#include "bf16w_gemm.h"
 #include "cached_attention.h"
 #else
 #define SPECDECODE_LEAN_PATH 0
@@ -185,6 +186,15 @@ at::Tensor gemm_bf16_op(const at::Tensor& x, const at::Tensor& blocked, const Op
   return op.call(x, blocked, bias, N);
 }
 
+// specdecode_bf16w::gemm_bf16w (gemv_bf16w_cpu.cpp), bf16 weights with float32 activations (its extension loaded
+// first).
+at::Tensor gemm_bf16w_op(const at::Tensor& x, const at::Tensor& blocked, const OptTensor& bias, int64_t N) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("specdecode_bf16w::gemm_bf16w", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&, int64_t)>();
+  return op.call(x, blocked, bias, N);
+}
+
 // mkldnn::_linear_pointwise, oneDNN's matmul on a pre-packed weight (models/inference.py PackedLinear).
 at::Tensor packed_linear_op(const at::Tensor& x, const at::Tensor& packed, const OptTensor& bias) {
   static auto op = c10::Dispatcher::singleton()
@@ -218,10 +228,12 @@ at::Tensor cached_attention_op(const at::Tensor& q, const at::Tensor& keys, cons
 // One linear layer as its Python module computes it: an int8 QuantizedLinear with its few-row
 // kernel attached (the int8_linear op's arguments), an int4 QuantizedLinear with its few-row kernel
 // attached (int4_linear's), a w8a8 / w4a8 QuantizedLinear (its op's), a PackedLinear (oneDNN's packed weight, and the few-row bf16 kernel's
-// layout up to `few_upto` rows), or a dense weight: an nn.Linear, a FusedLinear, a quantised
+// layout up to `few_upto` rows), a Bf16WeightLinear (bf16 weights in that layout, float32 activations, its
+// op at every width), or a dense weight: an nn.Linear, a FusedLinear, a quantised
 // layer's dequantised copy (at::linear).
 struct Linear {
   int bits = 0;  // 0: dense; 8 or 4: the few-row op of that width; 16: packed bf16/fp16
+  bool bf16_weights = false;  // a Bf16WeightLinear: `weight` bf16 in the blocked layout, `bias` float32
   int a8_bits = 0;  // 8 / 4: a w8a8 / w4a8 layer (its op at every width; `bits` unused)
   torch::Tensor weight;  // dense [N, K]; int8 / int4: the few-row kernel's weight layout; packed: oneDNN's
   OptTensor bias;        // dense, packed: the bias; int8 / int4: the bias in the activations' dtype (fallback paths)
@@ -236,6 +248,19 @@ struct Linear {
 
   torch::Tensor operator()(const torch::Tensor& x) const {
     if (wide && x.numel() >= wide_from * x.size(-1)) return (*wide)(x);
+    if (bf16_weights) {  // Bf16WeightLinear.forward: its op on the rows
+      auto out_shape = x.sizes().vec();
+      out_shape.back() = out_features;
+#if SPECDECODE_LEAN_PATH
+      // The kernel called directly where the op would only check and reshape: contiguous float32 rows.
+      if (x.is_contiguous() && x.size(-1) == in_features && x.scalar_type() == at::kFloat && x.device().is_cpu()) {
+        torch::Tensor y = torch::empty(out_shape, x.options());
+        if (x.numel() > 0) direct(x.data_ptr<float>(), x.numel() / in_features, y.data_ptr<float>());
+        return y;
+      }
+#endif
+      return gemm_bf16w_op(x.reshape({-1, x.size(-1)}), weight, bias, out_features).view(out_shape);
+    }
     if (bits == 16) {  // PackedLinear._matmul
       const int64_t K = x.size(-1);
       if (few_blocked.has_value() && x.numel() <= few_upto * K) {
@@ -243,9 +268,9 @@ struct Linear {
         out_shape.back() = out_features;
 #if SPECDECODE_LEAN_BF16
         // The kernel called directly where the op would only check and reshape: contiguous bf16 rows.
-        bool bf16_only = false;
+        at::ScalarType only = at::ScalarType::Undefined;
         if (x.is_contiguous() && K == in_features && x.scalar_type() == at::kBFloat16 && x.device().is_cpu() &&
-            direct_rows(bf16_only) > 0) {
+            direct_rows(only) > 0) {
           torch::Tensor y = torch::empty(out_shape, x.options());
           if (x.numel() > 0) direct(x.data_ptr<at::BFloat16>(), x.numel() / K, y.data_ptr<at::BFloat16>());
           return y;
@@ -285,17 +310,22 @@ struct Linear {
 
 #if SPECDECODE_LEAN_PATH
   // The most rows the lean path's direct calls (`direct`) serve: every row count for a w8a8 / w4a8
-  // layer, up to few_upto for a bf16 one with the few-row kernel's layout (what its module takes
-  // there; every row count where `widened`: the stack's measured lean width caps it), none otherwise.
-  // `bf16_only`: they serve bf16 activations only.
-  int64_t direct_rows(bool& bf16_only, bool widened = false) const {
+  // layer and for a bf16-weight one (float32 activations only), up to few_upto for a bf16 one with the
+  // few-row kernel's layout (what its module takes there; every row count where `widened`: the stack's
+  // measured lean width caps it; bf16 activations only), none otherwise. `only`: the one activation
+  // dtype they serve, where one layer's kernel serves one (kUndefined: none said yet).
+  int64_t direct_rows(at::ScalarType& only, bool widened = false) const {
     if (a8_bits != 0) return wide ? 0 : INT64_MAX;
+    const auto restrict_to = [&only](at::ScalarType dtype) {
+      const bool agrees = only == at::ScalarType::Undefined || only == dtype;
+      only = dtype;
+      return agrees;
+    };
+    if (bf16_weights) return restrict_to(at::kFloat) ? INT64_MAX : 0;
 #if SPECDECODE_LEAN_BF16
     if (bits == 16 && few_blocked.has_value() && few_blocked->scalar_type() == at::kBFloat16 &&
-        (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous()))) {
-      bf16_only = true;
-      return widened ? INT64_MAX : few_upto;
-    }
+        (!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous())))
+      return restrict_to(at::kBFloat16) ? (widened ? INT64_MAX : few_upto) : 0;
 #endif
     return 0;
   }
@@ -305,6 +335,12 @@ struct Linear {
   template <typename scalar_t>
   void direct(const scalar_t* x, int64_t M, scalar_t* y) const {
     if (a8_bits != 0) return a8(x, M, y);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      if (bf16_weights) {
+        const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
+        return bf16w_kernels::gemm_rows(x, M, weight.data_ptr<at::BFloat16>(), out_features, in_features, b, y);
+      }
+    }
 #if SPECDECODE_LEAN_BF16
     if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
       const at::BFloat16* b = bias.has_value() ? bias->data_ptr<at::BFloat16>() : nullptr;
@@ -404,6 +440,26 @@ Linear packed_linear(torch::Tensor packed, OptTensor bias, int64_t out_features,
     bf16_kernels::check_blocked(*l.few_blocked, out_features, l.in_features);
   }
 #endif
+  return l;
+}
+
+// A Bf16WeightLinear: blocked bf16 weights [ceil(N / 64), K / 2, 64, 2], float32 bias [N] or none.
+Linear bf16w_linear(torch::Tensor blocked, OptTensor bias, int64_t out_features) {
+  TORCH_CHECK(blocked.dim() == 4 && blocked.size(2) == 64 && blocked.size(3) == 2,
+              "bf16w_linear: the blocked layout [groups, K / 2, 64, 2] expected");
+  Linear l;
+  l.bf16_weights = true;
+  l.in_features = blocked.size(1) * 2;
+  l.out_features = out_features;
+#if SPECDECODE_LEAN_PATH
+  // What the op checks on every call, checked once for the direct calls.
+  bf16w_kernels::check_blocked(blocked, out_features, l.in_features);
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() &&
+                                    bias->numel() == out_features),
+              "bf16w_linear: a float32 bias of ", out_features, " values expected");
+#endif
+  l.weight = std::move(blocked);
+  l.bias = std::move(bias);
   return l;
 }
 
@@ -512,7 +568,7 @@ class Stack {
       intermediate_ = std::max(intermediate_, l.intermediate);
 #if SPECDECODE_LEAN_PATH
       for (const Linear* linear : {&l.qkv, &l.o_proj, &l.gate_up, &l.down})
-        lean_rows_ = std::min(lean_rows_, linear->direct_rows(lean_bf16_only_, lean_rows > 0));
+        lean_rows_ = std::min(lean_rows_, linear->direct_rows(lean_only_dtype_, lean_rows > 0));
 #endif
       // The shapes its buffers assume (layer 0's qkv may read a wider input: EAGLE-3's).
       const int64_t H = l.num_heads, KVH = l.num_kv_heads, D = l.head_dim;
@@ -675,7 +731,8 @@ class Stack {
       return false;
     const auto dtype = x.scalar_type();
     const int64_t T = x.size(1);
-    if ((dtype != at::kFloat && dtype != at::kBFloat16) || T == 0 || (lean_bf16_only_ && dtype != at::kBFloat16))
+    if ((dtype != at::kFloat && dtype != at::kBFloat16) || T == 0 ||
+        (lean_only_dtype_ != at::ScalarType::Undefined && dtype != lean_only_dtype_))
       return false;
     for (const torch::Tensor* t : {&cos, &sin})
       if (t->scalar_type() != dtype || t->dim() != 4 || t->size(0) != 1 || t->size(1) != T || t->stride(3) != 1)
@@ -989,7 +1046,9 @@ class Stack {
   bool cached_attention_;
   bool lean_;  // the cached attention kernel serves and every layer's linears have direct kernels (lean_rows_ > 0)
   int64_t lean_rows_ = INT64_MAX;  // the most rows the lean path gives every layer's kernel directly
-  bool lean_bf16_only_ = false;    // some layer's direct kernel is the bf16 one
+  // The one activation dtype some layer's direct kernel serves (bf16: the few-row bf16 kernel; float32: the
+  // bf16-weight one), kUndefined where every one serves both.
+  at::ScalarType lean_only_dtype_ = at::ScalarType::Undefined;
   int64_t qkv_width_ = 0, heads_width_ = 0, intermediate_ = 0;  // the widest layer's, sizing lean buffers
   int64_t lean_forwards_ = 0;
   std::vector<char> workspace_;  // lean_forward's buffers (a stack serves one forward at a time)
@@ -1618,6 +1677,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("verify_sampled_row", &verify_sampled_row,
         "speculative/verify/chain.py _one_sampled_row's rule from p: (accepted drafts, final token)", py::arg("p"),
         py::arg("q"), py::arg("drafts"), py::arg("num_draft"), py::arg("u"), py::arg("u_final"));
+  m.def("bf16w_linear", &bf16w_linear, "a Bf16WeightLinear: specdecode_bf16w::gemm_bf16w at every width",
+        py::arg("blocked"), py::arg("bias"), py::arg("out_features"));
   m.def("packed_linear", &packed_linear,
         "a PackedLinear: specdecode_bf16::gemm_bf16 on few_blocked up to few_upto rows, else mkldnn::_linear_pointwise");
   py::class_<Layer>(m, "Layer")

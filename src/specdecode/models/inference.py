@@ -5,7 +5,9 @@
 quantise every linear layer (`models/quant.py`, cached by checkpoint hash), or, for bf16 /
 fp16 weights on a CPU, keep them dense in oneDNN's blocked layout (`PackedLinear`), and, for
 bf16 on a CPU with AVX-512 BF16, also in the few-row kernel's layout for the decode and verify
-widths where it measures faster (`kernels/gemv_cpu.py`).
+widths where it measures faster (`kernels/gemv_cpu.py`), or, for float32 layers whose weights are
+bf16 values (a bf16 checkpoint served in float32) on a CPU with AVX-512, keep those weights as
+bf16 for a float32 kernel that widens them as it reads (`Bf16WeightLinear`, `kernels/gemv_bf16w_cpu.py`).
 
 Why packing: a one-row bf16 matmul reads its weight in PyTorch's plain layout at a fraction of
 the memory bandwidth. Measured here (2 threads, all 25 matmuls of the default model in turn,
@@ -24,7 +26,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from specdecode.kernels import build, gemv_cpu, gemv_int4_cpu, gemv_int8_cpu
+from specdecode.kernels import build, gemv_bf16w_cpu, gemv_cpu, gemv_int4_cpu, gemv_int8_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
 from specdecode.models.weight_layout import lay_out_in_forward_order
 
@@ -112,11 +114,57 @@ class PackedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.dtype} packed"
 
 
+class Bf16WeightLinear(nn.Module):
+    """A frozen linear layer whose weights are bf16 values, served with float32 activations: the weights
+    kept as bf16 (half of float32's bytes) in the few-row bf16 kernel's blocked layout, each product and
+    sum in float32 (kernels/gemv_bf16w_cpu.cpp, at every width). For bf16 checkpoints served in float32
+    on CPUs without bf16 arithmetic. `split_sizes` makes it return one view per fused projection."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_sizes: list[int] | None = None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.blocked = gemv_bf16w_cpu.block_weight(weight.detach())  # [ceil(N / 64), K / 2, 64, 2] bf16
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.split_sizes = split_sizes
+        self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)  # the kernel takes 2-D rows
+        return gemv_bf16w_cpu.linear(rows, self.blocked, self.bias, self.out_features).view(*x.shape[:-1], -1)
+
+    def forward(self, x: torch.Tensor):
+        """x [..., K] float32 -> [..., N] float32 (or one view per split size)."""
+        if self.row_tiling is not None and self.row_tiling.applies(x):
+            from specdecode.models.llama import tile_rows
+
+            out = tile_rows(self._matmul, x, self.row_tiling)
+        else:
+            out = self._matmul(x)
+        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
+
+    def dense_weight(self) -> torch.Tensor:
+        """[N, K] float32, the weight (exactly: bf16 values)."""
+        groups, half_k, group, pair = self.blocked.shape
+        dense = self.blocked.transpose(1, 2).reshape(groups * group, half_k * pair)
+        return dense[: self.out_features].float()
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features} -> {self.out_features}, bf16 weights, float32 activations"
+
+
+def holds_bf16_values(module: nn.Module) -> bool:
+    """Whether every linear layer under `module` has float32 weights that are all bf16 values (a bf16
+    checkpoint served in float32; fused projections' members are views of their weights)."""
+    linears = [m for m in module.modules() if isinstance(m, nn.Linear)]
+    return bool(linears) and all(m.weight.dtype == torch.float32 and torch.equal(m.weight, m.weight.bfloat16().float())
+                                 for m in linears)
+
+
 class FusedMember(nn.Module):
     """One projection of a packed fused layer (`q_proj` of `qkv`, ...), for code that calls it
     alone: it runs the fused matmul and returns its part, so the dense weights can be freed."""
 
-    def __init__(self, fused: PackedLinear, index: int):
+    def __init__(self, fused: "PackedLinear | Bf16WeightLinear", index: int):
         super().__init__()
         self._fused = [fused]  # a list: not registered a second time as a submodule
         self.index = index
@@ -125,15 +173,17 @@ class FusedMember(nn.Module):
         return self._fused[0](x)[self.index]
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
-    """Replace every dense linear layer (and fused projection) under `module` by a PackedLinear."""
+def swap_linears(module: nn.Module, layer_class: type[PackedLinear | Bf16WeightLinear]) -> nn.Module:
+    """Replace every dense linear layer (and fused projection) under `module` by a `layer_class` made from
+    its weight and bias (PackedLinear: oneDNN's packed layout; Bf16WeightLinear: its weights being bf16
+    values, `holds_bf16_values`)."""
     from specdecode.models.llama import replace_linears
 
-    def fused_layer(name: str, fused) -> tuple[PackedLinear, list[FusedMember]]:
-        packed = PackedLinear(fused.weight, fused.bias, list(fused.sizes))
-        return packed, [FusedMember(packed, index) for index in range(len(fused.sizes))]
+    def fused_layer(name: str, fused) -> tuple[nn.Module, list[FusedMember]]:
+        layer = layer_class(fused.weight, fused.bias, list(fused.sizes))
+        return layer, [FusedMember(layer, index) for index in range(len(fused.sizes))]
 
-    return replace_linears(module, fused_layer, lambda name, linear: PackedLinear(linear.weight, linear.bias))
+    return replace_linears(module, fused_layer, lambda name, linear: layer_class(linear.weight, linear.bias))
 
 
 # Widths the few-row kernels are probed at. The bf16 kernel (broadcast form) read the default model's 25
@@ -267,6 +317,8 @@ def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype
         if layer.few_rows is not None:
             attach_few_row_kernels(rows, dtype)
         return rows
+    if isinstance(layer, Bf16WeightLinear):
+        return Bf16WeightLinear(layer.dense_weight()[index], bias)
     rows = nn.Linear(layer.in_features, len(index), bias=bias is not None, device=layer.weight.device,
                      dtype=layer.weight.dtype).requires_grad_(False)
     rows.weight.copy_(layer.weight[index])
@@ -277,7 +329,8 @@ def select_output_rows(layer: nn.Module, index: torch.Tensor, dtype: torch.dtype
 
 def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype: torch.dtype, device,
                           quantization: QuantScheme | None = None) -> nn.Module:
-    """Fuse, then quantise (`quantization` set) or pack (bf16/fp16 on CPU); float32 stays as is.
+    """Fuse, then quantise (`quantization` set) or pack (bf16/fp16 on CPU); float32 keeps bf16 weights
+    where they are bf16 values and the kernel serves (a CPU with AVX-512), else stays as is.
     `checkpoint_dir` keys the quantisation cache (None: quantise without caching)."""
     from specdecode.models.llama import fuse_projections
 
@@ -291,7 +344,10 @@ def prepare_for_inference(module: nn.Module, checkpoint_dir: Path | None, dtype:
         lay_out_in_forward_order(module)
         return module
     if can_pack(dtype, device):
-        module = pack_linears(module)
+        module = swap_linears(module, PackedLinear)
         attach_few_row_kernels(module, dtype)
+        lay_out_in_forward_order(module)
+    elif dtype == torch.float32 and gemv_bf16w_cpu.available(device) and holds_bf16_values(module):
+        module = swap_linears(module, Bf16WeightLinear)
         lay_out_in_forward_order(module)
     return module

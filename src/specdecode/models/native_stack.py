@@ -15,7 +15,8 @@ in the activations' dtype; any cached batch (contiguous rows writing the same co
 decode, chain and tree verification at batch 1, equal-length batches; ragged ones by index writes
 and, for rows out of order, a gather, as `write_columns` / `read_columns` do), outside exact mode, autograd,
 forward hooks and `torch.compile`. Packed bf16/fp16 layers (`PackedLinear`, on CPUs with AVX-512)
-run the same oneDNN op and few-row bf16 kernel as their module. Anything else runs the Python
+run the same oneDNN op and few-row bf16 kernel as their module; bf16-weight layers (`Bf16WeightLinear`,
+float32 activations) the same bf16-weight kernel. Anything else runs the Python
 modules, as before.
 
 The stack holds the layers' tensors; `Watch.current()` checks, per forward, that the modules still
@@ -263,12 +264,16 @@ def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch,
     """A linear layer as the C++ code computes it (a `Linear` of decode_stack_cpu.cpp): the path its
     module takes for activations of `dtype`; raises NotServed where that path is not reproduced."""
     extension = decode_stack_cpu.extension()
-    if _is_packed_linear(layer):  # its _matmul: the few-row bf16 kernel up to its width, else oneDNN
+    if _is_served_class(layer, "PackedLinear"):  # its _matmul: the few-row bf16 kernel up to its width, else oneDNN
         if watch.get(layer, "row_tiling") is not None or layer.dtype != dtype:
             raise NotServed(f"{name}: a row tiling or weight dtype {layer.dtype}")
         few_rows = watch.get(layer, "few_rows")
         return extension.packed_linear(watch.get(layer, "packed"), watch.get(layer, "bias"), layer.out_features,
                                        *(few_rows if few_rows is not None else (None, 0)))
+    if _is_served_class(layer, "Bf16WeightLinear"):  # its forward: the bf16-weight op at every width
+        if watch.get(layer, "row_tiling") is not None or dtype != torch.float32:
+            raise NotServed(f"{name}: a row tiling or {dtype} activations")
+        return extension.bf16w_linear(watch.get(layer, "blocked"), watch.get(layer, "bias"), layer.out_features)
     if hasattr(layer, "few_rows_arguments"):  # a QuantizedLinear (not imported: it imports models/llama.py)
         if watch.get(layer, "row_tiling") is not None:
             raise NotServed(f"{name}: a row tiling")
@@ -279,7 +284,7 @@ def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch,
                 raise NotServed(f"{name}: {scheme.name} without its kernel")
             return extension.a8_linear(scheme.bits, *arguments)
         wide = watch.get(layer, "wide")  # (its dense copy, packed, the width from which it serves)
-        if wide is not None and not _is_packed_linear(wide[0]):
+        if wide is not None and not _is_served_class(wide[0], "PackedLinear"):
             raise NotServed(f"{name}: wide copy {wide[0]}")
         if watch.get(layer, "few_rows") is not None:  # the few-row op of its width (int8 or int4)
             few_rows = extension.int8_linear if watch.get(layer, "scheme").bits == 8 else extension.int4_linear
@@ -299,11 +304,11 @@ def served_linear(layer: nn.Module, name: str, dtype: torch.dtype, watch: Watch,
     raise NotServed(f"{name}: {type(layer).__name__}")
 
 
-def _is_packed_linear(layer: nn.Module) -> bool:
-    """Whether `layer` is exactly a models/inference.py PackedLinear (a subclass may compute otherwise),
+def _is_served_class(layer: nn.Module, name: str) -> bool:
+    """Whether `layer` is exactly the models/inference.py class `name` (a subclass may compute otherwise),
     told by its class's qualified name: inference.py imports models/llama.py, which imports this module."""
     cls = type(layer)
-    return cls.__name__ == "PackedLinear" and cls.__module__ == "specdecode.models.inference"
+    return cls.__name__ == name and cls.__module__ == "specdecode.models.inference"
 
 
 def batch_served(batch: AttentionBatch | None) -> bool:

@@ -34,8 +34,9 @@ HUGE_PAGE = 2 << 20  # bytes: x86-64 / arm64 transparent huge pages
 MADV_HUGEPAGE = 14
 
 # Where a served layer keeps the tensors its kernels stream (besides registered parameters / buffers):
-# a tuple (few_rows), or a dict of tuples / tensors ((dtype, device) -> what a kernel takes).
-KERNEL_ATTRIBUTES = ("few_rows", "_kernel_weights", "_dense")
+# a tuple (few_rows), a tensor (a Bf16WeightLinear's blocked weights), or a dict of tuples / tensors
+# ((dtype, device) -> what a kernel takes).
+KERNEL_ATTRIBUTES = ("few_rows", "blocked", "_kernel_weights", "_dense")
 
 
 def lay_out_in_forward_order(module: nn.Module) -> int:
