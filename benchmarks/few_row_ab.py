@@ -7,8 +7,10 @@ Python modules); `--against python-draft`: the C++ drafting step's (speculative/
 the baseline's proposer drafts through its Python step); `--against python-runner`: the runner's
 one-sequence forward in one C++ call (models/native_stack.py NativeChain; the baseline's runners keep
 their Python around the stack); `--against host-argmax`: a greedy step's argmax taken by that C++ call
-(the baseline's runners leave it to the caller, from the logits); `--against same`: an A / A control
-(the baseline built as the candidate).
+(the baseline's runners leave it to the caller, from the logits); `--against float32-weights`: a bf16
+checkpoint's weights kept as bf16 under float32 activations (models/inference.py Bf16WeightLinear; the
+baseline's target and drafter hold them as float32, PyTorch's matmuls); `--against same`: an A / A
+control (the baseline built as the candidate).
 
     python benchmarks/few_row_ab.py --quantization int8 [--method ngram] [--compile]
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against eager
@@ -16,6 +18,7 @@ their Python around the stack); `--against host-argmax`: a greedy step's argmax 
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against python-draft --method mtp
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against python-runner
     python benchmarks/few_row_ab.py --quantization w4a8 --against host-argmax --num-prompts 16 --rounds 8
+    python benchmarks/few_row_ab.py --dtype float32 --against float32-weights --method ngram
 
 Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored), the
 two engines taking turns prompt by prompt (which goes first alternates by round); prints each round's
@@ -25,15 +28,18 @@ tok/s (wall, prefill included) and the median of the per-round ratios candidate 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 from torch import nn
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.prompts import load_prompts
+from specdecode.kernels import gemv_bf16w_cpu
 from specdecode.models.inference import detach_few_row_kernels
 from specdecode.models.native_stack import serve_by_modules
 
@@ -46,12 +52,13 @@ def main() -> None:
                         help="none, ngram (k=8), or a shipped drafter: draft_model, eagle3, mtp (k=4)")
     parser.add_argument("--compile", action="store_true", help="both engines compiled (--against pytorch)")
     parser.add_argument("--against", choices=("pytorch", "eager", "modules", "python-draft", "python-runner",
-                                              "host-argmax", "same"),
+                                              "host-argmax", "float32-weights", "same"),
                         default="pytorch",
                         help="the baseline: PyTorch's kernels in place of the few-row ones, eager forwards, the "
                              "Python modules in place of the C++ layer stack, the proposer's Python drafting step in "
                              "place of the C++ one, the runners' Python around the stack, greedy argmaxes taken "
-                             "after the forward, or the candidate itself (an A / A control)")
+                             "after the forward, float32 weights in place of a bf16 checkpoint's bf16 ones (float32 "
+                             "activations), or the candidate itself (an A / A control)")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -60,8 +67,13 @@ def main() -> None:
     spec = None if args.method == "none" else {"method": args.method,
                                                 "num_speculative_tokens": 8 if args.method == "ngram" else 4}
     compiled = {"candidate": args.compile or args.against == "eager", "baseline": args.compile and args.against != "eager"}
-    engines = {name: LLM(dtype=args.dtype, quantization=args.quantization, compile=compiled[name],
-                         speculative_config=spec) for name in ("candidate", "baseline")}
+    engines = {}
+    for name in ("candidate", "baseline"):
+        float32_weights = name == "baseline" and args.against == "float32-weights"
+        with mock.patch.object(gemv_bf16w_cpu, "available", return_value=False) if float32_weights else \
+                contextlib.nullcontext():
+            engines[name] = LLM(dtype=args.dtype, quantization=args.quantization, compile=compiled[name],
+                                speculative_config=spec)
     if args.against == "pytorch":
         detach_few_row_kernels(engines["baseline"].model)
     elif args.against == "modules":

@@ -3,13 +3,15 @@ packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_
 (kernels/gemv_int4_cpu.cpp, its bf16 pair layout where the CPU has one) against
 `torch._weight_int4pack_mm_for_cpu`, W8A8 (kernels/gemm_a8_cpu.cpp, int8 activations) against
 the packed bf16 matmul and the int8 weight-only few-row kernel, W4A8 against the bf16 one and the
-int4 weight-only few-row kernel (its bf16 pair layout).
+int4 weight-only few-row kernel (its bf16 pair layout), bf16 weights with float32 activations
+(kernels/gemv_bf16w_cpu.cpp) against PyTorch's float32 matmul of the same weights held as float32.
 
     python benchmarks/few_row_kernel.py --out benchmarks/results/engine/few_row_kernel.json
     python benchmarks/few_row_kernel.py --kind int8 --out benchmarks/results/engine/few_row_kernel_int8.json
     python benchmarks/few_row_kernel.py --kind int4 --shapes 1b --repeats 5
     python benchmarks/few_row_kernel.py --kind w8a8
     python benchmarks/few_row_kernel.py --kind w4a8
+    python benchmarks/few_row_kernel.py --kind bf16w
 
 Every linear layer of the model in turn (`--shapes default`: the default model's 25 matmuls;
 `1b`: the 1B random Llama's 89, benchmarks/make_random_llama.py, whose weights stream from
@@ -121,9 +123,26 @@ def w4a8_kernels(weights: list[torch.Tensor]) -> dict:
     }
 
 
+def bf16w_kernels(weights: list[torch.Tensor]) -> dict:
+    from specdecode.kernels import gemv_bf16w_cpu
+
+    if not gemv_bf16w_cpu.available("cpu"):
+        raise SystemExit("the bf16-weight kernel does not run here (it needs AVX-512 and a C++ compiler)")
+    dense = [w.float() for w in weights]
+    blocked = [gemv_bf16w_cpu.block_weight(w) for w in weights]
+    return {
+        "float32": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, dense)],
+        "bf16w": lambda xs: [gemv_bf16w_cpu.linear(x, b, None, w.shape[0]) for x, b, w in zip(xs, blocked, weights)],
+    }
+
+
+KINDS = {"bf16": bf16_kernels, "int8": int8_kernels, "int4": int4_kernels, "w8a8": w8a8_kernels,
+         "w4a8": w4a8_kernels, "bf16w": bf16w_kernels}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--kind", choices=("bf16", "int8", "int4", "w8a8", "w4a8"), default="bf16")
+    parser.add_argument("--kind", choices=tuple(KINDS), default="bf16")
     parser.add_argument("--shapes", choices=tuple(SHAPES), default="default", help="whose layer shapes")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--out", type=Path, default=None)
@@ -131,12 +150,13 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     layers = SHAPES[args.shapes]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in layers]
-    kernels = {"bf16": bf16_kernels, "int8": int8_kernels, "int4": int4_kernels, "w8a8": w8a8_kernels, "w4a8": w4a8_kernels}[args.kind](weights)
+    kernels = KINDS[args.kind](weights)
+    activations = torch.float32 if args.kind == "bf16w" else torch.bfloat16
     result = {"kind": args.kind, "shapes": args.shapes, "threads": torch.get_num_threads(), "torch": torch.__version__,
               "ms_per_forward": {}}
     with torch.inference_mode():
         for rows in ROWS:
-            xs = [torch.randn(rows, k, generator=gen).bfloat16() for _, k in layers]
+            xs = [torch.randn(rows, k, generator=gen).to(activations) for _, k in layers]
             best = {name: float("inf") for name in kernels}
             for name, fn in kernels.items():
                 fn(xs)  # warm-up

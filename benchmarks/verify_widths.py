@@ -6,24 +6,44 @@ The default model at batch 1 over a 128-token context (`cost_model.profile`: the
 calls per width), engines measured in turn, `--rounds` times, keeping each width's fastest:
 a slow phase of the machine then lands on every engine alike. Engines: packed bf16, and int8 /
 int4-g32 with `verify_kernels="quantized"` (the int kernels at every width) and `"auto"` (a dense
-copy from the measured width on, models/wide_kernels.py), w8a8 and w4a8 (`--engines` picks some).
+copy from the measured width on, models/wide_kernels.py), w8a8 and w4a8, and float32 activations
+with the checkpoint's bf16 weights kept as bf16 (models/inference.py Bf16WeightLinear) or as float32
+(`--engines` picks some).
+
+    python benchmarks/verify_widths.py --engines "float32, bf16 weights,float32 weights"
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
+from unittest import mock
 
 import torch
 
 from specdecode import LLM
+from specdecode.kernels import gemv_bf16w_cpu
 from specdecode.speculative.policy.cost_model import profile
 
 WIDTHS = [1, 2, 4, 5, 8, 9, 12, 16, 32]
-ENGINES = [("bf16 packed", None, "auto"), ("int8, int kernels", "int8", "quantized"), ("int8, auto", "int8", "auto"),
-           ("int4-g32, int kernels", "int4", "quantized"), ("int4-g32, auto", "int4", "auto"), ("w8a8", "w8a8", "auto"),
-           ("w4a8", "w4a8", "auto")]
+# (name, quantization, verify_kernels, dtype); "float32 weights": the bf16 checkpoint's weights held as float32
+ENGINES = [("bf16 packed", None, "auto", "auto"), ("int8, int kernels", "int8", "quantized", "auto"),
+           ("int8, auto", "int8", "auto", "auto"), ("int4-g32, int kernels", "int4", "quantized", "auto"),
+           ("int4-g32, auto", "int4", "auto", "auto"), ("w8a8", "w8a8", "auto", "auto"),
+           ("w4a8", "w4a8", "auto", "auto"),
+           ("float32, bf16 weights", None, "auto", "float32"), ("float32 weights", None, "auto", "float32")]
+
+
+def split_names(text: str, names: list[str]) -> list[str]:
+    """Comma-separated engine names, some of which hold commas themselves ("int8, auto")."""
+    found, rest = [], text
+    while rest:
+        name = next((n for n in sorted(names, key=len, reverse=True) if rest.startswith(n)), rest.split(",")[0])
+        found.append(name)
+        rest = rest[len(name):].lstrip(",").lstrip()
+    return found
 
 
 def main() -> None:
@@ -34,11 +54,16 @@ def main() -> None:
                         help=f"comma-separated names of the engines to measure (default: all of {[e[0] for e in ENGINES]})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    chosen = [e for e in ENGINES if args.engines is None or e[0] in args.engines.split(",")]
+    names = [e[0] for e in ENGINES]
+    asked = names if args.engines is None else split_names(args.engines, names)
+    chosen = [e for e in ENGINES if e[0] in asked]
     if not chosen:
-        parser.error(f"--engines: none of {args.engines!r} is one of {[e[0] for e in ENGINES]}")
-    engines = {name: LLM(quantization=q, verify_kernels=v, compile=args.compile, max_num_seqs=1)
-               for name, q, v in chosen}
+        parser.error(f"--engines: none of {args.engines!r} is one of {names}")
+    engines = {}
+    for name, q, v, dtype in chosen:
+        with mock.patch.object(gemv_bf16w_cpu, "available", return_value=False) if name == "float32 weights" else \
+                contextlib.nullcontext():
+            engines[name] = LLM(quantization=q, verify_kernels=v, compile=args.compile, max_num_seqs=1, dtype=dtype)
     wide = {name: sorted({f"{m.in_features}x{m.out_features}: {m.wide[1]}" for m in llm.model.modules()
                           if getattr(m, "wide", None) is not None}) for name, llm in engines.items()}
     best: dict[str, dict[int, float]] = {name: {} for name in engines}
