@@ -10,12 +10,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "row_tiles.h"
+
 namespace bf16_kernels {
 namespace {
 
 constexpr int64_t kGroupN = 64;  // output channels per group (4 vectors of 16 fp32 sums)
 constexpr int kVectors = kGroupN / 16;
-constexpr int kMaxRows = 6;      // rows per tile: 6 x 4 accumulators + 4 weights + a broadcast fit 32 registers
 
 // Outputs [n0, n0 + 64) for R rows (x rows ldx apart, y rows ldy apart); wgroup [K / 2, 64, 2].
 template <int R>
@@ -63,17 +64,10 @@ void gemm_rows(const at::BFloat16* x, int64_t M, const at::BFloat16* wblocked, i
     for (int64_t g = begin; g < end; ++g) {
       const at::BFloat16* wgroup = wblocked + g * group_elems;
       const int64_t n0 = g * kGroupN;
-      int64_t m = 0;
-      for (; m + kMaxRows <= M; m += kMaxRows)
-        group_rows<kMaxRows>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N);
-      switch (M - m) {
-        case 5: group_rows<5>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
-        case 4: group_rows<4>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
-        case 3: group_rows<3>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
-        case 2: group_rows<2>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
-        case 1: group_rows<1>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N); break;
-        default: break;
-      }
+      // tiles of up to 6 rows: 6 x 4 accumulators + 4 weights + a broadcast fit 32 registers
+      row_tiles::for_row_tiles(M, [&](auto rows, int64_t m) {
+        group_rows<decltype(rows)::value>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N);
+      });
     }
   });
 }

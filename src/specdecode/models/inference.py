@@ -28,6 +28,7 @@ from torch import nn
 
 from specdecode.kernels import build, gemv_bf16w_cpu, gemv_cpu, gemv_int4_cpu, gemv_int8_cpu
 from specdecode.models.quant import QuantizedLinear, QuantScheme, quantize_checkpoint_model
+from specdecode.models.served_linear import ServedLinear
 from specdecode.models.weight_layout import lay_out_in_forward_order
 
 log = logging.getLogger(__name__)
@@ -66,18 +67,16 @@ def _mkldnn_supports(dtype: torch.dtype) -> bool:
         return False
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(ServedLinear):
     """A frozen dense linear layer with its weight pre-packed for oneDNN (CPU, bf16/fp16).
     `split_sizes` makes it return one view per fused projection, like `FusedLinear`."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_sizes: list[int] | None = None):
-        super().__init__()
+        super().__init__(split_sizes)
         self.out_features, self.in_features = weight.shape
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_BATCH_HINT)
         self.bias = None if bias is None else bias.detach().clone()
-        self.split_sizes = split_sizes
-        self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
         # Decode and verify widths (attach_few_row_kernels below): (the weight in the few-row
         # kernel's blocked layout, the most rows it serves); eager forwards that narrow take it.
         self.few_rows: tuple[torch.Tensor, int] | None = None
@@ -94,16 +93,6 @@ class PackedLinear(nn.Module):
             return out.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
-    def forward(self, x: torch.Tensor):
-        """x [..., K] -> [..., N] (or one view per split size)."""
-        if self.row_tiling is not None and self.row_tiling.applies(x):
-            from specdecode.models.llama import tile_rows
-
-            out = tile_rows(self._matmul, x, self.row_tiling)
-        else:
-            out = self._matmul(x)
-        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
-
     def dense_weight(self) -> torch.Tensor:
         """[N, K] the dense weight, recovered exactly: identity rows through the packed matmul
         (each output is one weight times 1 plus zeros, so nothing rounds)."""
@@ -114,33 +103,21 @@ class PackedLinear(nn.Module):
         return f"{self.in_features} -> {self.out_features}, {self.dtype} packed"
 
 
-class Bf16WeightLinear(nn.Module):
+class Bf16WeightLinear(ServedLinear):
     """A frozen linear layer whose weights are bf16 values, served with float32 activations: the weights
     kept as bf16 (half of float32's bytes) in the few-row bf16 kernel's blocked layout, each product and
     sum in float32 (kernels/gemv_bf16w_cpu.cpp, at every width). For bf16 checkpoints served in float32
     on CPUs without bf16 arithmetic. `split_sizes` makes it return one view per fused projection."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, split_sizes: list[int] | None = None):
-        super().__init__()
+        super().__init__(split_sizes)
         self.out_features, self.in_features = weight.shape
         self.blocked = gemv_bf16w_cpu.block_weight(weight.detach())  # [ceil(N / 64), K / 2, 64, 2] bf16
         self.bias = None if bias is None else bias.detach().float().contiguous()
-        self.split_sizes = split_sizes
-        self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features)  # the kernel takes 2-D rows
         return gemv_bf16w_cpu.linear(rows, self.blocked, self.bias, self.out_features).view(*x.shape[:-1], -1)
-
-    def forward(self, x: torch.Tensor):
-        """x [..., K] float32 -> [..., N] float32 (or one view per split size)."""
-        if self.row_tiling is not None and self.row_tiling.applies(x):
-            from specdecode.models.llama import tile_rows
-
-            out = tile_rows(self._matmul, x, self.row_tiling)
-        else:
-            out = self._matmul(x)
-        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     def dense_weight(self) -> torch.Tensor:
         """[N, K] float32, the weight (exactly: bf16 values)."""

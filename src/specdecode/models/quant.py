@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdecode.kernels import gemm_a8_cpu, gemv_int4_cpu, gemv_int8_cpu
+from specdecode.models.served_linear import ServedLinear
 
 log = logging.getLogger(__name__)
 
@@ -136,23 +137,21 @@ def _bf16_exact(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.bfloat16).float()
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(ServedLinear):
     """A frozen linear layer with int8 or int4 weights; `split_sizes` makes it return one
     view per fused projection (q/k/v, gate/up), like `FusedLinear`."""
 
     def __init__(self, stored: dict[str, torch.Tensor], in_features: int, out_features: int, scheme: QuantScheme,
                  bias: torch.Tensor | None = None, split_sizes: list[int] | None = None):
-        super().__init__()
+        super().__init__(split_sizes)
         self.scheme = scheme
         self.in_features, self.out_features = in_features, out_features
-        self.split_sizes = split_sizes
         for name, tensor in stored.items():
             self.register_buffer(name, tensor)
         self.register_buffer("bias", bias)
         self._kernel_weights: dict[tuple, tuple] = {}  # (dtype, device) -> packed tensors for the kernel
         self._dense: dict[tuple, torch.Tensor] = {}  # (dtype, device) -> dequantised weight, for the dense path
         self.is_view = False  # rows of a fused layer (`rows`), kept for code that calls a member alone
-        self.row_tiling = None  # exact mode: a RowTiling (models/llama.py) found by exact/rows.py
         # Verification widths (models/wide_kernels.py): (the dequantised weight packed densely, the
         # rows from which it runs instead of the int kernel); a tuple, so it is not a submodule.
         self.wide: tuple[nn.Module, int] | None = None
@@ -258,16 +257,6 @@ class QuantizedLinear(nn.Module):
     def bias_as(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The bias in `dtype` (None without one): what the dense path and PyTorch's int kernels add."""
         return None if self.bias is None else self.bias.to(dtype)
-
-    def forward(self, x: torch.Tensor):
-        """x [..., K] -> [..., N] (or one view per split size)."""
-        if self.row_tiling is not None and self.row_tiling.applies(x):
-            from specdecode.models.llama import tile_rows
-
-            out = tile_rows(self._matmul, x, self.row_tiling)
-        else:
-            out = self._matmul(x)
-        return out if self.split_sizes is None else out.split(self.split_sizes, dim=-1)
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:
         if not self.scheme.weight_only:  # one kernel at every width: no few-row or wide choice
