@@ -10,12 +10,12 @@
 #include <cstdint>
 #include <cstring>
 
-#include "row_tiles.h"
+#include "pair_groups.h"
 
 namespace bf16_kernels {
 namespace {
 
-constexpr int64_t kGroupN = 64;  // output channels per group (4 vectors of 16 fp32 sums)
+using pair_groups::kGroupN;
 constexpr int kVectors = kGroupN / 16;
 
 // Outputs [n0, n0 + 64) for R rows (x rows ldx apart, y rows ldy apart); wgroup [K / 2, 64, 2].
@@ -58,25 +58,12 @@ inline void group_rows(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w
 
 void gemm_rows(const at::BFloat16* x, int64_t M, const at::BFloat16* wblocked, int64_t N, int64_t K,
                const at::BFloat16* bias, at::BFloat16* y) {
-  const int64_t groups = (N + kGroupN - 1) / kGroupN;
-  const int64_t group_elems = K * kGroupN;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const at::BFloat16* wgroup = wblocked + g * group_elems;
-      const int64_t n0 = g * kGroupN;
-      // tiles of up to 6 rows: 6 x 4 accumulators + 4 weights + a broadcast fit 32 registers
-      row_tiles::for_row_tiles(M, [&](auto rows, int64_t m) {
-        group_rows<decltype(rows)::value>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N);
-      });
-    }
+  pair_groups::for_group_tiles(M, N, [&](auto rows, int64_t g, int64_t m) {
+    group_rows<decltype(rows)::value>(x + m * K, K, wblocked + g * K * kGroupN, K, g * kGroupN, N, bias, y + m * N, N);
   });
 }
 
-void check_blocked(const torch::Tensor& w, int64_t N, int64_t K) {
-  TORCH_CHECK(K % 2 == 0, "input size must be even, got ", K);
-  const int64_t groups = (N + kGroupN - 1) / kGroupN;
-  TORCH_CHECK(w.is_contiguous() && w.numel() == groups * kGroupN * K, "weights are not in the blocked layout");
-}
+void check_blocked(const torch::Tensor& w, int64_t N, int64_t K) { pair_groups::check_blocked(w, N, K, "bf16 matmul"); }
 
 }  // namespace
 }  // namespace bf16_kernels

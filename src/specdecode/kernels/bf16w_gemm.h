@@ -11,12 +11,12 @@
 #include <cstdint>
 #include <cstring>
 
-#include "row_tiles.h"
+#include "pair_groups.h"
 
 namespace bf16w_kernels {
 namespace {
 
-constexpr int64_t kGroupN = 64;  // output channels per group (4 vectors of 16 fp32 sums), the bf16 kernel's layout
+using pair_groups::kGroupN;
 constexpr int kVectors = kGroupN / 16;
 
 // Outputs [n0, n0 + 64) for R rows (x rows ldx apart, y rows ldy apart); wgroup [K / 2, 64, 2] bf16 as 32-bit
@@ -66,27 +66,14 @@ inline void group_rows(const float* x, int64_t ldx, const uint32_t* wgroup, int6
 // y [M, N] = x [M, K] @ W^T (+ bias [N]), W in the blocked layout [ceil(N / 64), K / 2, 64, 2] bf16.
 void gemm_rows(const float* x, int64_t M, const at::BFloat16* wblocked, int64_t N, int64_t K, const float* bias,
                float* y) {
-  const int64_t groups = (N + kGroupN - 1) / kGroupN;
-  const int64_t group_elems = K * kGroupN;
-  // Each thread takes whole groups and runs every row tile on them: a group's weights are read from
-  // memory once and from L2 for the tiles after the first.
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
-      const uint32_t* wgroup = reinterpret_cast<const uint32_t*>(wblocked + g * group_elems);
-      const int64_t n0 = g * kGroupN;
-      // tiles of up to 6 rows: 6 x 4 accumulators + a group's 8 widened weight vectors fit 32 registers
-      row_tiles::for_row_tiles(M, [&](auto rows, int64_t m) {
-        group_rows<decltype(rows)::value>(x + m * K, K, wgroup, K, n0, N, bias, y + m * N, N);
-      });
-    }
+  pair_groups::for_group_tiles(M, N, [&](auto rows, int64_t g, int64_t m) {
+    const uint32_t* wgroup = reinterpret_cast<const uint32_t*>(wblocked + g * K * kGroupN);
+    group_rows<decltype(rows)::value>(x + m * K, K, wgroup, K, g * kGroupN, N, bias, y + m * N, N);
   });
 }
 
 void check_blocked(const torch::Tensor& w, int64_t N, int64_t K) {
-  TORCH_CHECK(K % 2 == 0, "bf16-weight matmul: the input size must be even, got ", K);
-  const int64_t groups = (N + kGroupN - 1) / kGroupN;
-  TORCH_CHECK(w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.numel() == groups * kGroupN * K,
-              "bf16-weight matmul: bf16 weights in the blocked layout [", groups, ", ", K / 2, ", 64, 2] expected");
+  pair_groups::check_blocked(w, N, K, "bf16-weight matmul");
 }
 
 }  // namespace
