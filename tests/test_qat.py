@@ -155,7 +155,7 @@ def test_serving_picks_the_drafter_matched_to_the_target_and_says_so(tmp_path, m
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     caplog.clear()
-    LLM(dtype="float32", speculative_config={"method": "mtp"})  # bf16 target: the bf16 drafter, nothing to say
+    LLM(dtype="float32", speculative_config={"method": "mtp"})  # full-precision target: no mismatch to report
     assert "int8" not in caplog.text
 
 
@@ -221,10 +221,11 @@ def test_a_checkpoint_storing_its_layers_quantised_serves_exactly_the_latent_one
 
 
 @pytest.mark.parametrize("method", ["eagle3", "mtp", "draft_model"])
-def test_a_bf16_target_drafts_with_w4a8_drafters_where_the_kernels_are_built(lean_model, lean_drafters, method):
-    """Beside a full-precision bf16 target the drafter's own layers default to w4a8 (int8
-    activations: faster drafting here); "none" keeps them bf16, a float32 target keeps them float32,
-    and the outputs are plain decoding's either way."""
+def test_a_full_precision_target_drafts_with_w4a8_drafters_where_the_kernels_are_built(lean_model, lean_drafters,
+                                                                                        method):
+    """Beside a full-precision bf16 or float32 target the drafter's own layers default to w4a8 (int8
+    activations: faster drafting here); "none" keeps them in the activation dtype, a quantised target
+    lends them its scheme, and the outputs are plain decoding's either way."""
     if not gemm_a8_cpu.available("cpu"):
         pytest.skip("the w4a8 kernels need AVX-512 VNNI")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -235,19 +236,21 @@ def test_a_bf16_target_drafts_with_w4a8_drafters_where_the_kernels_are_built(lea
         drafter = next(getattr(proposer, name) for name in ("drafter", "model") if hasattr(proposer, name))
         return {m.scheme.name for m in drafter.modules() if isinstance(m, QuantizedLinear) and not m.is_view}
 
-    for dtype, draft_quantization, schemes in (("bfloat16", None, {"w4a8"}), ("bfloat16", "none", set()),
-                                               ("float32", None, set())):
+    for dtype, quantization, draft_quantization, schemes in (
+            ("bfloat16", None, None, {"w4a8"}), ("bfloat16", None, "none", set()),
+            ("float32", None, None, {"w4a8"}), ("float32", None, "none", set()), ("float32", "int8", None, {"int8"})):
         spec = {"method": method, "model": str(lean_drafters[method]), "num_speculative_tokens": 3}
         if draft_quantization:
             spec["draft_quantization"] = draft_quantization
-        llm = LLM(lean_model, dtype=dtype, speculative_config=spec)
+        llm = LLM(lean_model, dtype=dtype, quantization=quantization, speculative_config=spec)
         assert own_schemes(llm) == schemes
-        plain = LLM(lean_model, dtype=dtype).generate(prompts, params)
+        plain = LLM(lean_model, dtype=dtype, quantization=quantization).generate(prompts, params)
         assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("method", ["eagle", "medusa", "dflash", "dspark"])
-def test_the_other_families_draft_w4a8_beside_a_bf16_target(native_model, trained_drafters, method):
+def test_the_other_families_draft_w4a8_beside_a_full_precision_target(native_model, trained_drafters, method, dtype):
     """The default reaches every learned family's own layers (those whose inputs fit whole blocks
     of 32), and their outputs stay plain decoding's."""
     if not gemm_a8_cpu.available("cpu"):
@@ -255,9 +258,9 @@ def test_the_other_families_draft_w4a8_beside_a_bf16_target(native_model, traine
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     prompts = [{"prompt_token_ids": [5, 17, 99, 4]}, {"prompt_token_ids": [7, 8, 9, 10, 11]}]
     spec = {"method": method, "model": str(trained_drafters[method]), "num_speculative_tokens": 3}
-    llm = LLM(native_model, dtype="bfloat16", speculative_config=spec)
+    llm = LLM(native_model, dtype=dtype, speculative_config=spec)
     proposer = llm.speculator.proposer
     drafter = next(getattr(proposer, name) for name in ("drafter", "model", "heads") if hasattr(proposer, name))
     assert {m.scheme.name for m in drafter.modules() if isinstance(m, QuantizedLinear) and not m.is_view} == {"w4a8"}
-    plain = LLM(native_model, dtype="bfloat16").generate(prompts, params)
+    plain = LLM(native_model, dtype=dtype).generate(prompts, params)
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]

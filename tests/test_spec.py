@@ -41,7 +41,9 @@ def test_draft_model_greedy_equals_plain_decoding(native_model, native_drafter, 
 
 def test_drafter_equal_to_target_accepts_everything(native_model):
     k = 4
-    config = {"method": "draft_model", "model": str(native_model), "num_speculative_tokens": k}
+    # "none": the drafter keeps the target's precision (a full-precision target's default would be w4a8).
+    config = {"method": "draft_model", "model": str(native_model), "num_speculative_tokens": k,
+              "draft_quantization": "none"}
     params = SamplingParams(temperature=0, max_tokens=31, ignore_eos=True)
     outs = _spec_outputs(native_model, config, PROMPTS, params)
     assert [o.token_ids for o in outs] == _reference(native_model, PROMPTS, params)
@@ -339,7 +341,10 @@ def test_sampled_speculation_keeps_the_target_distribution(native_model, native_
     prompt = [8, 200, 31]
     exact = exact_second_token_probs(native_model, prompt)
     params = [SamplingParams(temperature=1.0, max_tokens=5, seed=s, ignore_eos=True) for s in range(1200)]
-    config = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 3}
+    # The drafter in float32 as the target ("none"): the w4a8 default would serve a batch's lone
+    # remaining sequence on the C++ chain too, and this test keeps the two paths apart.
+    config = {"method": "draft_model", "model": str(native_drafter), "num_speculative_tokens": 3,
+              "draft_quantization": "none"}
 
     def second_tokens(speculative_config):
         return [ids[1] for ids in generate_ids(native_model, [{"prompt_token_ids": prompt}] * len(params), params,

@@ -38,8 +38,8 @@ class SpeculativeConfig:
         num_speculative_tokens for method dspark.
     draft_quantization: how the drafter's own weights are stored: "none", "int8", "int4"
         ("int4-g64", "int4-g128"), "w8a8", "w4a8"; unset = the scheme the drafter was trained quantisation-aware
-        at (its config.json), else the target's quantization, and beside a full-precision bf16
-        target on a CPU with AVX-512 VNNI "w4a8" (faster drafting, same outputs; vLLM's
+        at (its config.json), else the target's quantization, and beside a full-precision bf16 or
+        float32 target on a CPU with AVX-512 VNNI "w4a8" (faster drafting, same outputs; vLLM's
         speculative_draft_model_quantization). Drafters that reuse the target's LM head
         (DFlash, DSpark, Medusa) keep it as the target stores it.
     draft_vocab_size: FR-Spec: learned drafters score only the N most frequent tokens (EAGLE-3:

@@ -85,27 +85,30 @@ def _warn_if_mismatched(ctx: ProposerContext, path: Path) -> None:
                     ours or "none")
 
 
-# The drafter's scheme beside a full-precision bf16 target on a CPU with the int8-activation kernels.
-# Measured (BENCHMARKS "eighteenth pass", default model, batch 1, 16 HumanEval prompts x 128, two runs):
-# EAGLE-3 k=4 1.05-1.06x plain decoding with bf16 drafter weights, 1.15-1.16x with w4a8 (1.13-1.14x
-# w8a8), MTP 1.15-1.18x -> 1.20-1.30x, the draft model 1.06-1.08x -> 1.26x; acceptance 0.0-1.5 points
-# lower. Outputs are the target's either way: verification decides every token.
-BF16_TARGET_DRAFTER_SCHEME = "w4a8"
+# The drafter's scheme beside a full-precision (bf16 or float32) target on a CPU with the int8-activation
+# kernels. Measured at batch 1 on the default model, 16 HumanEval prompts x 128: beside bf16 (BENCHMARKS
+# "eighteenth pass", two runs) EAGLE-3 k=4 1.05-1.06x plain decoding with bf16 drafter weights, 1.15-1.16x
+# with w4a8 (1.13-1.14x w8a8), MTP 1.15-1.18x -> 1.20-1.30x, the draft model 1.06-1.08x -> 1.26x; beside
+# float32 with bf16 drafter weights (an AVX-512 CPU without bf16 arithmetic, "forty-second pass") see
+# FULL_PRECISION_DTYPES. Acceptance 0.0-1.5 points lower. Outputs are the target's either way:
+# verification decides every token.
+FULL_PRECISION_DRAFTER_SCHEME = "w4a8"
+FULL_PRECISION_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def drafter_quantization(ctx: ProposerContext, path: Path) -> QuantScheme | None:
     """How the drafter's own linear layers are stored: speculative_config.draft_quantization
     when set ("none": the activation dtype); else the scheme it was trained quantisation-aware
-    at (`train-drafter --qat`); else the target's, and beside a full-precision bf16 target on a
-    CPU where the w8a8 / w4a8 kernels are built, `BF16_TARGET_DRAFTER_SCHEME` (the drafter's
+    at (`train-drafter --qat`); else the target's, and beside a full-precision bf16 or float32 target
+    on a CPU where the w8a8 / w4a8 kernels are built, `FULL_PRECISION_DRAFTER_SCHEME` (the drafter's
     weights are read once per drafted token: int4 weights with int8 activations draft faster)."""
     if ctx.config.draft_quantization is not None:
         return QuantScheme.parse(ctx.config.draft_quantization)
     qat = drafter_provenance(path).get("qat")
     if qat:
         return QuantScheme.parse(qat)
-    if ctx.quantization is None and ctx.dtype == torch.bfloat16 and gemm_a8_cpu.available(ctx.device):
-        return QuantScheme.parse(BF16_TARGET_DRAFTER_SCHEME)
+    if ctx.quantization is None and ctx.dtype in FULL_PRECISION_DTYPES and gemm_a8_cpu.available(ctx.device):
+        return QuantScheme.parse(FULL_PRECISION_DRAFTER_SCHEME)
     return ctx.quantization
 
 
