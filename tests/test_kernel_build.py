@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import platform
 import shutil
+import subprocess
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -35,6 +37,24 @@ def test_every_kernel_this_cpu_supports_builds(name):
     if not set(flags) <= build.cpu_flags() or os.environ.get(switch, "1") == "0":
         pytest.skip(f"{name} does not serve this CPU or is switched off")
     assert accessor(), f"{name} failed to build (see the warning logged above)"
+
+
+@pytest.mark.parametrize("source, march", [(decode_stack_cpu.SOURCE, "x86-64")])
+def test_kernels_with_avx512_and_narrower_forms_compile_for_cpus_without_avx512(source, march):
+    # Built with -march=native, these sources take their AVX-512 parts only where the CPU has them: the
+    # layer stack builds on any x86-64 CPU. A build
+    # on this CPU cannot show that (an int8 KV cache helper reachable only through the AVX-512 path once
+    # kept the stack from building anywhere else), so compile them for those targets (syntax only).
+    compiler = shutil.which("c++")
+    if platform.machine() not in ("x86_64", "AMD64") or compiler is None:
+        pytest.skip("the kernels are built for x86-64 with a C++ compiler")
+    from torch.utils.cpp_extension import include_paths
+
+    includes = [f"-I{path}" for path in [*include_paths(), sysconfig.get_paths()["include"]]]
+    command = [compiler, "-std=c++17", "-fsyntax-only", f"-march={march}", "-fopenmp", "-DTORCH_EXTENSION_NAME=x",
+               *includes, str(source)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
 
 
 def test_the_few_row_kernels_blocked_layout():
@@ -71,7 +91,7 @@ def test_a_kernel_build_is_named_by_its_headers_too(tmp_path):
     assert build.source_digest(tmp_path / "k.cpp") != before
     shipped = Path(build.__file__).with_name("decode_stack_cpu.cpp")
     assert {p.name for p in build.local_includes(shipped)} == {"rms_norm.h", "a8_gemm.h", "bf16_gemm.h", "bf16w_gemm.h",
-                                                                "pair_groups.h", "cached_attention.h"}
+                                                                "pair_groups.h", "cached_attention.h", "kv_records.h"}
 
 
 def _hold_build_lock(build_dir: Path):

@@ -39,6 +39,7 @@
 #include <utility>
 #include <vector>
 
+#include "kv_records.h"
 #include "rms_norm.h"
 // The lean path needs what the w8a8 / w4a8 kernels need (and the attention kernel's AVX2 + FMA).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX2__) && defined(__FMA__)
