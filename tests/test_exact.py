@@ -184,7 +184,8 @@ def test_bisection_finds_the_divergence_without_exact_mode_and_none_with_it(code
     off, on = reports[False], reports[True]
     # a layer whose kernel picks its blocks by width (the 9 tokens' attention is row-independent since
     # the attention op serves them; PyTorch's matmuls are not)
-    assert not off.logits_equal and off.divergence is not None
+    # (the divergence can stay inside the KV written and round away before the logits: either shows it)
+    assert not (off.logits_equal and off.kv_equal) and off.divergence is not None
     assert off.divergence.name.startswith("model.layers.") and off.divergence.input_matched
     assert on.logits_equal and on.kv_equal and on.divergence is None
 
