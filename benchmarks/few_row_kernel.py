@@ -4,7 +4,8 @@ packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_
 `torch._weight_int4pack_mm_for_cpu`, W8A8 (kernels/gemm_a8_cpu.cpp, int8 activations) against
 the packed bf16 matmul and the int8 weight-only few-row kernel, W4A8 against the bf16 one and the
 int4 weight-only few-row kernel (its bf16 pair layout), bf16 weights with float32 activations
-(kernels/gemv_bf16w_cpu.cpp) against PyTorch's float32 matmul of the same weights held as float32.
+(kernels/gemv_bf16w_cpu.cpp; its AVX-512 form and its AVX2 form, which AVX2-only CPUs run) against
+PyTorch's float32 matmul of the same weights held as float32.
 
     python benchmarks/few_row_kernel.py --out benchmarks/results/engine/few_row_kernel.json
     python benchmarks/few_row_kernel.py --kind int8 --out benchmarks/results/engine/few_row_kernel_int8.json
@@ -127,12 +128,14 @@ def bf16w_kernels(weights: list[torch.Tensor]) -> dict:
     from specdecode.kernels import gemv_bf16w_cpu
 
     if not gemv_bf16w_cpu.available("cpu"):
-        raise SystemExit("the bf16-weight kernel does not run here (it needs AVX-512 and a C++ compiler)")
+        raise SystemExit("the bf16-weight kernel does not run here (it needs AVX2 + FMA and a C++ compiler)")
     dense = [w.float() for w in weights]
     blocked = [gemv_bf16w_cpu.block_weight(w) for w in weights]
     return {
         "float32": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, dense)],
         "bf16w": lambda xs: [gemv_bf16w_cpu.linear(x, b, None, w.shape[0]) for x, b, w in zip(xs, blocked, weights)],
+        "bf16w_avx2": lambda xs: [gemv_bf16w_cpu.linear(x, b, None, w.shape[0], avx2=True)
+                                  for x, b, w in zip(xs, blocked, weights)],
     }
 
 

@@ -13,7 +13,7 @@ from specdecode.kernels import gemv_bf16w_cpu
 from specdecode.models.inference import Bf16WeightLinear, select_output_rows
 
 pytestmark = pytest.mark.skipif(not gemv_bf16w_cpu.available("cpu"),
-                                reason="the bf16-weight kernel needs AVX-512 and a C++ compiler")
+                                reason="the bf16-weight kernel needs AVX2 + FMA and a C++ compiler")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -66,6 +66,31 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
     for m in range(1, 41):
         assert torch.equal(gemv_bf16w_cpu.linear(x[:m], blocked, None, n), alone[:m]), m
     assert torch.equal(gemv_bf16w_cpu.linear(x[7:19], blocked, None, n), alone[7:19])
+
+
+@pytest.mark.parametrize("k,n", [(2, 1), (64, 64), (96, 100), (130, 257), (512, 1536), (1536, 512)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_avx2_form_computes_what_the_builds_form_does_bit_for_bit(k, n, with_bias):
+    """An AVX2-only CPU runs the kernel's 8-lane form (one row's 64 outputs at a time): each output the
+    same FMA chain as the 16-lane form's, so the same float32 numbers, at every row count and tile
+    remainder; and a row's result still does not depend on the rows beside it. (On an AVX2-only CPU
+    both ops are the 8-lane form.)"""
+    w = _weights(n, k, seed=k + n + 1)
+    bias = torch.randn(n, generator=torch.Generator().manual_seed(3)) if with_bias else None
+    blocked = gemv_bf16w_cpu.block_weight(w)
+    x = torch.randn(15, k, generator=torch.Generator().manual_seed(4))
+    alone = torch.cat([gemv_bf16w_cpu.linear(x[i:i + 1], blocked, bias, n, avx2=True) for i in range(len(x))])
+    assert bool(_within_float32_rounding(alone, x, w, bias).all())
+    for m in range(1, 16):
+        ours = gemv_bf16w_cpu.linear(x[:m], blocked, bias, n, avx2=True)
+        assert torch.equal(ours, gemv_bf16w_cpu.linear(x[:m], blocked, bias, n)), (k, n, m)
+        assert torch.equal(ours, alone[:m]), (k, n, m)
+    # Negative control: a weight one bf16 step off changes its output's bits.
+    off = w.clone()
+    off[n // 2, k // 2] = (off[n // 2, k // 2].bfloat16().view(torch.int16) + 1).view(torch.bfloat16).float()
+    x[:, k // 2] = 1000.0
+    assert not torch.equal(gemv_bf16w_cpu.linear(x, gemv_bf16w_cpu.block_weight(off), bias, n, avx2=True),
+                           gemv_bf16w_cpu.linear(x, blocked, bias, n))
 
 
 def test_a_bf16_checkpoint_served_in_float32_keeps_bf16_weights(bf16_model, native_model, monkeypatch):

@@ -132,7 +132,7 @@ def test_the_default_models_layers_get_tilings_under_which_their_rows_are_invari
     from specdecode.models.loader import load_model
     from specdecode.models.quant import QuantScheme
 
-    # float32: where the CPU has AVX-512, the bf16 checkpoint's layers keep bf16 weights (Bf16WeightLinear).
+    # float32: where the CPU has AVX2 + FMA, the bf16 checkpoint's layers keep bf16 weights (Bf16WeightLinear).
     for dtype, scheme in ((torch.bfloat16, None), (torch.bfloat16, QuantScheme.parse("int8")), (torch.float32, None)):
         model = load_model(default_model_dir(), dtype, "cpu", scheme)
         make_rows_invariant(model, dtype, "cpu")

@@ -12,14 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from specdecode.kernels import (attention_cpu, build, decode_stack_cpu, gemm_a8_cpu, gemv_cpu, gemv_int4_cpu,
-                                gemv_int8_cpu, rms_norm_cpu)
+from specdecode.kernels import (attention_cpu, build, decode_stack_cpu, gemm_a8_cpu, gemv_bf16w_cpu, gemv_cpu,
+                                gemv_int4_cpu, gemv_int8_cpu, rms_norm_cpu)
 
 # Each optional kernel: its accessor (None / False where it does not serve), the CPU flags it needs and its switch.
 OPTIONAL_KERNELS = {
     "attention_cpu": (attention_cpu.available, attention_cpu.REQUIRED_FLAGS, "SPECDECODE_ATTENTION_KERNEL"),
     "decode_stack_cpu": (decode_stack_cpu.extension, set(), "SPECDECODE_NATIVE_STACK"),
     "gemm_a8_cpu": (gemm_a8_cpu._extension, gemm_a8_cpu.REQUIRED_FLAGS, "SPECDECODE_A8_KERNELS"),
+    "gemv_bf16w_cpu": (gemv_bf16w_cpu._extension, gemv_bf16w_cpu.REQUIRED_FLAGS, "SPECDECODE_BF16_WEIGHTS"),
     "gemv_cpu": (gemv_cpu._extension, gemv_cpu.REQUIRED_FLAGS, "SPECDECODE_FEW_ROW_KERNELS"),
     "gemv_int4_cpu": (gemv_int4_cpu._extension, build.FEW_ROW_FLAGS, "SPECDECODE_FEW_ROW_KERNELS"),
     "gemv_int8_cpu": (gemv_int8_cpu._extension, build.FEW_ROW_FLAGS, "SPECDECODE_FEW_ROW_KERNELS"),
@@ -39,10 +40,10 @@ def test_every_kernel_this_cpu_supports_builds(name):
     assert accessor(), f"{name} failed to build (see the warning logged above)"
 
 
-@pytest.mark.parametrize("source, march", [(decode_stack_cpu.SOURCE, "x86-64")])
+@pytest.mark.parametrize("source, march", [(decode_stack_cpu.SOURCE, "x86-64"), (gemv_bf16w_cpu.SOURCE, "x86-64-v3")])
 def test_kernels_with_avx512_and_narrower_forms_compile_for_cpus_without_avx512(source, march):
     # Built with -march=native, these sources take their AVX-512 parts only where the CPU has them: the
-    # layer stack builds on any x86-64 CPU. A build
+    # layer stack builds on any x86-64 CPU, the bf16-weight kernel on AVX2 + FMA ones (x86-64-v3). A build
     # on this CPU cannot show that (an int8 KV cache helper reachable only through the AVX-512 path once
     # kept the stack from building anywhere else), so compile them for those targets (syntax only).
     compiler = shutil.which("c++")

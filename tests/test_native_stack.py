@@ -212,7 +212,7 @@ def test_bf16_weights_with_float32_activations_equal_the_modules_bit_for_bit(req
     # A bf16 checkpoint served in float32 (Bf16WeightLinear): the stack calls the layers' op (heads of 16),
     # the lean path the kernel itself (heads of 32), at every width.
     if not gemv_bf16w_cpu.available("cpu"):
-        pytest.skip("the bf16-weight kernel needs AVX-512")
+        pytest.skip("the bf16-weight kernel needs AVX2 + FMA")
     llm = LLM(bf16_copy(request.getfixturevalue(model), tmp_path / "m"), dtype="float32", max_num_seqs=2,
               kv_cache_dtype=kv_cache_dtype)
     assert isinstance(llm.model.model.layers[0].mlp.down_proj, Bf16WeightLinear)

@@ -2,8 +2,9 @@
 checkpoint, reading its weights as bf16, for CPUs without bf16 arithmetic (there `dtype="auto"` serves
 float32).
 
-Served by `Bf16WeightLinear` (models/inference.py) at every width where the CPU has AVX-512 and the
-build succeeds; anything else keeps PyTorch's float32 matmul. SPECDECODE_BF16_WEIGHTS=0 turns it off.
+Served by `Bf16WeightLinear` (models/inference.py) at every width where the CPU has AVX-512F (or AVX2
+and FMA: the kernel's 8-lane form, the same numbers) and the build succeeds; anything else keeps
+PyTorch's float32 matmul. SPECDECODE_BF16_WEIGHTS=0 turns it off.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ from specdecode.kernels import build
 
 SOURCE = Path(__file__).with_name("gemv_bf16w_cpu.cpp")
 GROUP = 64  # output channels per group of the layout (the few-row bf16 kernel's)
-REQUIRED_FLAGS = {"avx512f", "avx512bw"}
+REQUIRED_FLAGS = {"avx2", "fma"}  # AVX-512F where the CPU has it
 
 
 @functools.cache
 def _extension():
-    """The built module, or None where the CPU lacks AVX-512, the kernel is turned off or the build
-    failed (logged once); loading it registers `torch.ops.specdecode_bf16w.gemm_bf16w`."""
+    """The built module, or None where the CPU lacks AVX2 / FMA, the kernel is turned off or the build
+    failed (logged once); loading it registers `torch.ops.specdecode_bf16w.gemm_bf16w` (and
+    `gemm_bf16w_avx2`)."""
     module = build.optional_extension("gemv_bf16w", SOURCE, "SPECDECODE_BF16_WEIGHTS", REQUIRED_FLAGS,
                                       "float32 weights serve instead")
     if module is not None:  # its output's shape for torch.compile's tracing (the op runs in C++ only)
-        torch.library.register_fake("specdecode_bf16w::gemm_bf16w")(
-            lambda x, blocked, bias, out_features: x.new_empty(x.shape[0], out_features))
+        for op in ("gemm_bf16w", "gemm_bf16w_avx2"):
+            torch.library.register_fake(f"specdecode_bf16w::{op}")(
+                lambda x, blocked, bias, out_features: x.new_empty(x.shape[0], out_features))
     return module
 
 
@@ -42,6 +45,9 @@ def block_weight(weight: torch.Tensor) -> torch.Tensor:
     return build.block_weight(weight.to(torch.bfloat16), GROUP, 2)
 
 
-def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
-    """x [M, K] float32 -> [M, N] float32 (bias [N] float32 or None)."""
-    return torch.ops.specdecode_bf16w.gemm_bf16w(x, blocked, bias, out_features)
+def linear(x: torch.Tensor, blocked: torch.Tensor, bias: torch.Tensor | None, out_features: int,
+           avx2: bool = False) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N] float32 (bias [N] float32 or None); `avx2`: the kernel's AVX2 form
+    whatever the CPU has (what an AVX2-only CPU computes, bit for bit the same; tests and benchmarks)."""
+    op = torch.ops.specdecode_bf16w.gemm_bf16w_avx2 if avx2 else torch.ops.specdecode_bf16w.gemm_bf16w
+    return op(x, blocked, bias, out_features)
