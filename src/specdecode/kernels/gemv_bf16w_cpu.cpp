@@ -43,7 +43,7 @@ torch::Tensor gemm_bf16w(const torch::Tensor& x, const torch::Tensor& w, const c
 }
 
 // The AVX2 form on any CPU this build runs on: on AVX-512 CPUs, what an AVX2-only CPU computes (bit for bit
-// the same numbers; tests and benchmarks/few_row_kernel.py --kind bf16w-avx2).
+// the same numbers; tests, and benchmarks/few_row_kernel.py --kind bf16w's bf16w_avx2 column).
 torch::Tensor gemm_bf16w_avx2(const torch::Tensor& x, const torch::Tensor& w,
                               const c10::optional<torch::Tensor>& bias, int64_t N) {
   return run(&bf16w_kernels::gemm_rows_with<bf16w_kernels::Avx2>, x, w, bias, N);

@@ -42,7 +42,7 @@ void quantize_record(const scalar_t* x, int8_t* record, int64_t D) {
 }
 
 // An int8 cache's records [.., D + 4] -> their values [.., D] in `dtype` (value x scale in float32, then
-// rounded): what PyTorch's attention reads where this kernel does not serve (models/layers.py
+// rounded): what PyTorch's attention reads where the cached-attention kernel does not serve (models/layers.py
 // dequantize_kv computes the same).
 inline torch::Tensor dequantize_records(const torch::Tensor& records, at::ScalarType dtype) {
   const int64_t D = records.size(-1) - kScaleBytes;
