@@ -17,7 +17,7 @@ PyTorch's float32 matmul of the same weights held as float32.
 Every linear layer of the model in turn (`--shapes default`: the default model's 25 matmuls;
 `1b`: the 1B random Llama's 89, benchmarks/make_random_llama.py, whose weights stream from
 memory), as in one forward, so each comes after the others' weights; random weights of those
-shapes, 1-16 rows, 2 threads; the fastest of `--repeats` passes per kernel and width, the kernels
+shapes, 1-16 rows (`--rows`), 2 threads; the fastest of `--repeats` passes per kernel and width, the kernels
 interleaved pass by pass.
 """
 
@@ -110,18 +110,20 @@ def w4a8_kernels(weights: list[torch.Tensor]) -> dict:
     from specdecode.kernels import gemm_a8_cpu, gemv_int4_cpu
     from specdecode.models.quant import QuantizedLinear
 
-    if not (gemm_a8_cpu.available("cpu") and gemv_int4_cpu.fits(512, 32, "cpu") and gemv_int4_cpu.pair_kernel()):
-        raise SystemExit("the W4A8 kernel does not run here (it needs AVX-512 VNNI and BF16, and a C++ compiler)")
+    if not gemm_a8_cpu.available("cpu"):
+        raise SystemExit("the W4A8 kernel does not run here (it needs AVX-512 VNNI and a C++ compiler)")
     layers = [QuantizedLinear.from_weight(w.float(), None, QuantScheme.parse("w4a8")) for w in weights]
     ours = [layer.a8_arguments(torch.device("cpu")) for layer in layers]
-    pairs = [gemv_int4_cpu.pack_pairs(layer.unpacked_int4(), layer.scales, layer.zeros) for layer in layers]
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in weights]
-    return {
+    kernels = {
         "bf16_onednn": lambda xs: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for x, p in zip(xs, packed)],
-        "int4_few_rows": lambda xs: [gemv_int4_cpu.few_rows_linear(x, p, so, None, w.shape[0], 32)
-                                     for x, (p, so), w in zip(xs, pairs, weights)],
         "w4a8": lambda xs: [gemm_a8_cpu.w4a8_linear(x, *args) for x, args in zip(xs, ours)],
     }
+    if gemv_int4_cpu.fits(512, 32, "cpu") and gemv_int4_cpu.pair_kernel():  # its bf16 pair layout needs AVX-512 BF16
+        pairs = [gemv_int4_cpu.pack_pairs(layer.unpacked_int4(), layer.scales, layer.zeros) for layer in layers]
+        kernels["int4_few_rows"] = lambda xs: [gemv_int4_cpu.few_rows_linear(x, p, so, None, w.shape[0], 32)
+                                               for x, (p, so), w in zip(xs, pairs, weights)]
+    return kernels
 
 
 def bf16w_kernels(weights: list[torch.Tensor]) -> dict:
@@ -148,6 +150,8 @@ def main() -> None:
     parser.add_argument("--kind", choices=tuple(KINDS), default="bf16")
     parser.add_argument("--shapes", choices=tuple(SHAPES), default="default", help="whose layer shapes")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--rows", default=",".join(map(str, ROWS)),
+                        help="comma-separated row counts (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     gen = torch.Generator().manual_seed(0)
@@ -158,7 +162,7 @@ def main() -> None:
     result = {"kind": args.kind, "shapes": args.shapes, "threads": torch.get_num_threads(), "torch": torch.__version__,
               "ms_per_forward": {}}
     with torch.inference_mode():
-        for rows in ROWS:
+        for rows in [int(r) for r in args.rows.split(",")]:
             xs = [torch.randn(rows, k, generator=gen).to(activations) for _, k in layers]
             best = {name: float("inf") for name in kernels}
             for name, fn in kernels.items():

@@ -13,8 +13,12 @@
 #include <optional>
 #include <vector>
 
+#include "lines_ahead.h"
+
 namespace a8_kernels {
 namespace {
+
+using lines_ahead::LinesAhead;
 
 constexpr int64_t kBlock = 32;     // inputs sharing one activation scale
 constexpr int64_t kLine = 16;      // outputs per 64-byte weight line (x 4 inputs)
@@ -98,11 +102,15 @@ inline void start_sums(__m512i* sum, const Rows& rows, int64_t b, int32_t offset
 // lines; the output is total * s_w, or one FMA with the bias.
 struct W8 {
   static constexpr int kTileLines = 3;  // 4 rows x 3 lines: 12 int32 sums, 12 fp32 totals, 3 weights, 1 broadcast
+  // Whether a call of 2-5 rows (one row tile, 2-3 lines wide) prefetches the next tile: it would issue as
+  // many prefetches as weight loads, and took 1.03-1.14x the time without at 2-5 rows (the default model's
+  // shapes; 0.85-0.97x from 8 rows, where the later row tiles compute from cache).
+  static constexpr bool kPrefetchOneWideTile = false;
   static int64_t line_bytes(int64_t K) { return K * kLine; }
 
   template <int R, int NB, typename out_t>
   static void tile(const Rows& rows, const uint8_t* w, const void* params, int64_t line0, int64_t N, const float* bias,
-                   out_t* y) {
+                   out_t* y, const LinesAhead& ahead) {
     const float* scales = static_cast<const float*>(params);
     const int64_t K = rows.K, blocks = rows.blocks, lb = line_bytes(K);
     const uint8_t* wl = w + line0 * lb;
@@ -110,6 +118,7 @@ struct W8 {
 #pragma GCC unroll 12
     for (int i = 0; i < R * NB; ++i) total[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
+      if (ahead.first != nullptr) ahead.at(b);
       __m512i sum[R * NB];
       start_sums<R, NB>(sum, rows, b, 128);
       const uint8_t* wb = wl + b * kBlock * kLine;
@@ -151,11 +160,12 @@ struct W8 {
 // w4a8: the same tiles over nibbles; `params` the bf16 scales and zeros [lines, K / 32, 2, 16].
 struct W4 {
   static constexpr int kTileLines = 2;  // 4 rows x 2 lines: 8 sums, 8 totals, 4 unpacked lines, 2 broadcasts
+  static constexpr bool kPrefetchOneWideTile = true;  // 2-5 rows: 0.87-0.96x the time without
   static int64_t line_bytes(int64_t K) { return K * kLine / 2; }
 
   template <int R, int NB, typename out_t>
   static void tile(const Rows& rows, const uint8_t* w, const void* params, int64_t line0, int64_t N, const float* bias,
-                   out_t* y) {
+                   out_t* y, const LinesAhead& ahead) {
     const at::BFloat16* scale_zeros = static_cast<const at::BFloat16*>(params);
     const int64_t K = rows.K, blocks = rows.blocks, lb = line_bytes(K);
     const uint8_t* wl = w + line0 * lb;
@@ -164,6 +174,7 @@ struct W4 {
 #pragma GCC unroll 12
     for (int i = 0; i < R * NB; ++i) total[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
+      if (ahead.first != nullptr) ahead.at(b);
       __m512i sum[R * NB];
       start_sums<R, NB>(sum, rows, b, 8);
       const uint8_t* wb = wl + b * kBlock * kLine / 2;
@@ -211,12 +222,12 @@ struct W4 {
 
 template <typename F, int R, typename out_t>
 inline void tile_lines(int NB, const Rows& rows, const uint8_t* w, const void* params, int64_t line0, int64_t N,
-                       const float* bias, out_t* y) {
+                       const float* bias, out_t* y, const LinesAhead& ahead) {
   if constexpr (F::kTileLines >= 3 && R < 5) {
-    if (NB == 3) return F::template tile<R, 3>(rows, w, params, line0, N, bias, y);
+    if (NB == 3) return F::template tile<R, 3>(rows, w, params, line0, N, bias, y, ahead);
   }
-  if (NB == 2) return F::template tile<R, 2>(rows, w, params, line0, N, bias, y);
-  F::template tile<R, 1>(rows, w, params, line0, N, bias, y);
+  if (NB == 2) return F::template tile<R, 2>(rows, w, params, line0, N, bias, y, ahead);
+  F::template tile<R, 1>(rows, w, params, line0, N, bias, y, ahead);
 }
 
 template <typename F, typename in_t, typename out_t>
@@ -233,22 +244,28 @@ void gemm(const in_t* x, int64_t M, int64_t K, const uint8_t* w, const void* par
   const int64_t widest_tile = large_tiles > 0 ? rows_large : rows_small;
   const int64_t tile_lines_count = M == 1 ? kOneRowTileLines : widest_tile == 5 ? kFiveRowTileLines : F::kTileLines;
   const int64_t tiles = (lines + tile_lines_count - 1) / tile_lines_count;
+  const int64_t line_bytes = F::line_bytes(K);
+  const bool prefetch = M == 1 || row_tiles > 1 || F::kPrefetchOneWideTile;
   // Each thread takes whole column tiles and runs every row tile on them: a tile's weights are read
-  // from memory once and from L1/L2 for the row tiles after the first.
+  // from memory once and from L1/L2 for the row tiles after the first, which all prefetch a share of
+  // the thread's next column tile (lines_ahead.h; w8a8 calls of one wide row tile do not).
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t line0 = t * tile_lines_count;
+      const int64_t line0 = t * tile_lines_count, next0 = line0 + tile_lines_count;
       const int NB = static_cast<int>(std::min<int64_t>(tile_lines_count, lines - line0));
+      const uint8_t* next = t + 1 < end && prefetch ? w + next0 * line_bytes : nullptr;
+      const int64_t next_bytes = std::min<int64_t>(tile_lines_count, lines - next0) * line_bytes;
       for (int64_t tile = 0, m0 = 0; tile < row_tiles; ++tile) {
+        const LinesAhead ahead = lines_ahead::share(next, next_bytes, row_tiles, blocks, tile);
         const int R = static_cast<int>(tile < large_tiles ? rows_large : rows_small);
         const Rows rows{xq.data() + m0 * K, sx.data() + m0 * blocks, codesum.data() + m0 * blocks, K, blocks};
         out_t* yr = y + m0 * N;
         switch (R) {
-          case 1: tile_lines<F, 1>(NB, rows, w, params, line0, N, bias, yr); break;
-          case 2: tile_lines<F, 2>(NB, rows, w, params, line0, N, bias, yr); break;
-          case 3: tile_lines<F, 3>(NB, rows, w, params, line0, N, bias, yr); break;
-          case 4: tile_lines<F, 4>(NB, rows, w, params, line0, N, bias, yr); break;
-          default: tile_lines<F, 5>(NB, rows, w, params, line0, N, bias, yr); break;
+          case 1: tile_lines<F, 1>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          case 2: tile_lines<F, 2>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          case 3: tile_lines<F, 3>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          case 4: tile_lines<F, 4>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          default: tile_lines<F, 5>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
         }
         m0 += R;
       }

@@ -58,7 +58,8 @@ inline void group_rows(const at::BFloat16* x, int64_t ldx, const at::BFloat16* w
 
 void gemm_rows(const at::BFloat16* x, int64_t M, const at::BFloat16* wblocked, int64_t N, int64_t K,
                const at::BFloat16* bias, at::BFloat16* y) {
-  pair_groups::for_group_tiles(M, N, [&](auto rows, int64_t g, int64_t m) {
+  // Without prefetching the next group (`LinesAhead`): unmeasured on a CPU with AVX-512 BF16.
+  pair_groups::for_group_tiles(M, N, K, wblocked, [&](auto rows, int64_t g, int64_t m, pair_groups::LinesAhead) {
     group_rows<decltype(rows)::value>(x + m * K, K, wblocked + g * K * kGroupN, K, g * kGroupN, N, bias, y + m * N, N);
   });
 }

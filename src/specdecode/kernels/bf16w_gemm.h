@@ -68,7 +68,8 @@ struct Avx2 {
 // of FMAs over the inputs in order, x[0] w[0] first: exact products of bf16 weights (widened by a shift, no
 // rounding) and float32 activations, so a row's result depends on nothing but its own inputs.
 template <class Isa, int R>
-inline void block_sums(const float* x, int64_t ldx, const uint32_t* wgroup, int64_t pairs, float* sums) {
+inline void block_sums(const float* x, int64_t ldx, const uint32_t* wgroup, int64_t pairs, float* sums,
+                       const pair_groups::LinesAhead& ahead) {
   using V = typename Isa::V;
   constexpr int C = kGroupN / Isa::kLanes;
   V acc[R][C];
@@ -78,6 +79,7 @@ inline void block_sums(const float* x, int64_t ldx, const uint32_t* wgroup, int6
     for (int j = 0; j < C; ++j) acc[r][j] = Isa::zero();
   for (int64_t p = 0; p < pairs; ++p) {
     const uint32_t* w = wgroup + p * kGroupN;
+    if (ahead.first != nullptr) ahead.at(p);
     if constexpr (Isa::kWidenFirst) {  // every weight vector held, the inputs broadcast from memory
       V even[C], odd[C];
 #pragma GCC unroll 8
@@ -111,13 +113,16 @@ inline void block_sums(const float* x, int64_t ldx, const uint32_t* wgroup, int6
 }
 
 // Outputs [n0, n0 + 64) for R rows (x rows ldx apart, y rows ldy apart), Isa::kBlockRows rows at a time.
+// The tile's first block prefetches `ahead`.
 template <class Isa, int R>
 inline void group_rows(const float* x, int64_t ldx, const uint32_t* wgroup, int64_t K, int64_t n0, int64_t N,
-                       const float* bias, float* y, int64_t ldy) {
+                       const float* bias, float* y, int64_t ldy, const pair_groups::LinesAhead& ahead) {
   constexpr int rows = std::min(R, Isa::kBlockRows);
   static_assert(R % rows == 0, "a tile's rows must fill whole blocks");
   alignas(64) float sums[R * kGroupN];
-  for (int r0 = 0; r0 < R; r0 += rows) block_sums<Isa, rows>(x + r0 * ldx, ldx, wgroup, K / 2, sums + r0 * kGroupN);
+  for (int r0 = 0; r0 < R; r0 += rows)
+    block_sums<Isa, rows>(x + r0 * ldx, ldx, wgroup, K / 2, sums + r0 * kGroupN,
+                          r0 == 0 ? ahead : pair_groups::LinesAhead{});
   const int64_t valid = std::min<int64_t>(kGroupN, N - n0);
   for (int r = 0; r < R; ++r) {
     float* out = y + r * ldy + n0;
@@ -133,9 +138,9 @@ inline void group_rows(const float* x, int64_t ldx, const uint32_t* wgroup, int6
 template <class Isa>
 void gemm_rows_with(const float* x, int64_t M, const at::BFloat16* wblocked, int64_t N, int64_t K,
                     const float* bias, float* y) {
-  pair_groups::for_group_tiles(M, N, [&](auto rows, int64_t g, int64_t m) {
+  pair_groups::for_group_tiles(M, N, K, wblocked, [&](auto rows, int64_t g, int64_t m, const auto& ahead) {
     const uint32_t* wgroup = reinterpret_cast<const uint32_t*>(wblocked + g * K * kGroupN);
-    group_rows<Isa, decltype(rows)::value>(x + m * K, K, wgroup, K, g * kGroupN, N, bias, y + m * N, N);
+    group_rows<Isa, decltype(rows)::value>(x + m * K, K, wgroup, K, g * kGroupN, N, bias, y + m * N, N, ahead);
   });
 }
 
