@@ -22,10 +22,6 @@ namespace pair_groups {
 constexpr int64_t kGroupN = 64;  // output channels per group (4 vectors of 16 fp32 sums)
 constexpr int kMaxRows = 6;
 constexpr int64_t kLinesPerPair = kGroupN * 2 * 2 / lines_ahead::kLineBytes;  // a pair's 256 bytes
-// A one-tile call's prefetch distance. Against none, in one process: the next whole group (64-720 KB
-// ahead) took 1.02-1.12x the time at one row (1.12x the 1B model's, its weights streaming from memory),
-// 16 KB ahead 0.98-0.99x; at 4 rows 16 KB ahead 0.81-0.83x, the next group 0.84-1.01x.
-constexpr int64_t kStreamAhead = 16 * 1024;
 using lines_ahead::LinesAhead;
 
 // tile(std::integral_constant<int, R>{}, group g, first row m, LinesAhead) for every group and row tile of
@@ -42,10 +38,10 @@ inline void for_group_tiles(int64_t M, int64_t N, int64_t K, const void* weights
     const char* range_end = base + end * group_bytes;
     for (int64_t g = begin; g < end; ++g) {
       const char* next = g + 1 < end ? base + (g + 1) * group_bytes : nullptr;
-      // One tile streams kStreamAhead ahead of its reads; more split the next group (each its share at
-      // each of its K / 2 pair steps).
+      // One tile streams ahead of its reads; more split the next group (each its share over its K / 2
+      // pair steps).
       auto ahead = [&](int64_t m) {
-        if (tiles == 1) return LinesAhead{base + g * group_bytes + kStreamAhead, range_end, kLinesPerPair};
+        if (tiles == 1) return lines_ahead::stream(base + g * group_bytes, range_end, kLinesPerPair);
         return lines_ahead::share(next, group_bytes, tiles, K / 2, m / kMaxRows);
       };
       int64_t m = 0;
