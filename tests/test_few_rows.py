@@ -90,8 +90,9 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
 
     # Forgetting the choices (`specdecode profile --reprobe-kernels`) measures every shape again; it deletes
     # this machine's files of every probe version, not another thread count's.
-    machine = kernel_probe.cache_path().name.removesuffix("-p2.json")
-    older, other_threads = (kernel_probe.cache_path().with_name(machine + suffix) for suffix in (".json", "4-p2.json"))
+    machine = kernel_probe.cache_path().name.removesuffix("-p3.json")
+    older, other_threads = (kernel_probe.cache_path().with_name(machine + suffix)
+                            for suffix in ("-p2.json", "4-p3.json"))
     older.write_text("{}")
     other_threads.write_text("{}")
     assert kernel_probe.forget_choices() == sorted([kernel_probe.cache_path(), older])
@@ -119,6 +120,7 @@ def test_a_lost_width_is_measured_again_before_it_counts(monkeypatch):
     monkeypatch.setattr(kernel_probe, "cold_seconds", cold)
     monkeypatch.setattr(kernel_probe, "FLUSH_BYTES", 64)
     assert kernel_probe.faster_by_width([None], [None], 8, torch.float32, (1, 2, 4)) == [True, True, False]
+    assert all(next(times, None) is None for times in script.values())  # measured exactly as scripted
     assert all(next(times, None) is None for times in script.values())  # measured exactly as scripted
 
 

@@ -144,6 +144,30 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
     assert attach_few_row_kernels(fresh, torch.bfloat16) == {} and fresh[0].few_rows is None  # never faster
 
 
+def test_a_tie_does_not_end_the_kernels_widths(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
+    verdicts = {32: [True, None, True, False, True], 64: [True, False, True, True, True]}  # None: a tie
+    monkeypatch.setattr(kernel_probe, "faster_by_width", lambda c, b, in_features, dtype, widths: verdicts[in_features])
+    model = torch.nn.Sequential(_layer(64, 32), _layer(32, 64))
+    for m in model:
+        m.prepare(torch.bfloat16)
+    # 32 inputs: on past the tie at the 2nd width to the 3rd, which it wins, and a loss ends it; 64: the loss.
+    widths = FEW_ROWS_PROBE["int8"]
+    assert attach_few_row_kernels(model, torch.bfloat16) == {"32x64": widths[2], "64x32": widths[0]}
+
+
+def test_the_probe_tells_a_tie_from_a_loss(monkeypatch):
+    # Scripted seconds per cold call (candidate, baseline, round by round; repeats 1: the warm-up): the
+    # candidate 2.0 s against 1.95 s is within MARGIN (a tie), against 1.5 s a loss, against 2.5 s a win.
+    rounds, calls = kernel_probe.PROBE_ROUNDS, 1 + kernel_probe.PROBE_CONFIRM
+    script = {1: iter([2.0, 1.95] * rounds * calls), 2: iter([2.0, 1.5] * rounds * calls), 4: iter([2.0, 2.5] * rounds)}
+    monkeypatch.setattr(kernel_probe, "cold_seconds", lambda layers, x, flush, repeats=3:
+                        0.0 if repeats == 1 else next(script[len(x)]))
+    monkeypatch.setattr(kernel_probe, "FLUSH_BYTES", 64)
+    assert kernel_probe.faster_by_width([None], [None], 8, torch.float32, (1, 2, 4)) == [None, False, True]
+    assert all(next(times, None) is None for times in script.values())  # measured exactly as scripted
+
+
 def test_the_kernels_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("SPECDECODE_FEW_ROW_KERNELS", "0")
     gemv_int8_cpu._extension.cache_clear()

@@ -251,11 +251,12 @@ def attach_few_row_kernels(module: nn.Module, dtype: torch.dtype) -> dict[str, i
                 candidate = [functools.partial(kind.call, tensors=t, layer=layer) for t, layer in zip(tensors, group)]
                 faster = faster_by_width(candidate, [layer._matmul for layer in group], group[0].in_features, dtype,
                                           widths)
-                few = 0
+                few = 0  # the widest width it wins before a width it loses (a tie goes on)
                 for rows, wins in zip(widths, faster):
-                    if not wins:
+                    if wins is False:
                         break
-                    few = rows
+                    if wins:
+                        few = rows
                 cached[key], measured = few or None, True
             if cached[key] is None:
                 continue

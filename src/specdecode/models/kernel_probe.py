@@ -12,6 +12,10 @@ candidate loses is measured again, PROBE_CONFIRM more times, and lost only if lo
 a first start during a compile once cached the few-row bf16 kernel off from 4 rows for the down
 projection alone (it is ~2x faster there on a quiet machine), which kept every bf16 verification
 of 3 or more tokens off the C++ lean path (a 4-5-token forward 0.96-1.11 ms against 0.70-0.77).
+A width lost within MARGIN (the candidate at most 1 / MARGIN slower) is a tie: a few-row kernel's
+widths go on past it to the widest it wins (the int8 kernel against float32 weights measured
+0.84-1.11x at 8 rows and 0.50-0.61x at 16, and ending at the tie served 5-8-row verifications from
+the float32 weights, in a probe that chose 4 rows for three of the default model's layer shapes).
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ PROBE_CONFIRM = 2  # further measurements of a width the candidate lost, before 
 
 def cache_path():
     """The choices of this CPU, thread count and torch (one JSON file of {key: choice})."""
-    # -p2: choices made since a lost width is confirmed (PROBE_CONFIRM); earlier files are measured again.
-    return _cache_dir() / f"{_machine()}-p2.json"
+    # -p2: choices made since a lost width is confirmed (PROBE_CONFIRM); -p3: since a tie does not end a
+    # few-row kernel's widths. Earlier files are measured again.
+    return _cache_dir() / f"{_machine()}-p3.json"
 
 
 def _cache_dir():
@@ -67,18 +72,28 @@ def cold_seconds(layers: list, x: torch.Tensor, flush: torch.Tensor, repeats: in
 
 @torch.inference_mode()
 def faster_by_width(candidate: list, baseline: list, in_features: int, dtype: torch.dtype,
-                     widths: tuple[int, ...]) -> list[bool]:
-    """For each width: whether the `candidate` callables beat the `baseline` ones (same layers) by MARGIN."""
+                     widths: tuple[int, ...]) -> list[bool | None]:
+    """For each width: True where the `candidate` callables beat the `baseline` ones (same layers) by
+    MARGIN; else None for a tie (the last measurement within MARGIN the other way), False for a loss."""
     flush = torch.zeros(FLUSH_BYTES // 4)
     candidate, baseline = candidate[:PROBE_LAYERS], baseline[:PROBE_LAYERS]
-    faster = []
+    verdicts = []
     for rows in widths:
         x = torch.randn(rows, in_features, dtype=dtype)
         cold_seconds(candidate, x, flush, 1), cold_seconds(baseline, x, flush, 1)  # warm-up
-        loses = every_measurement(lambda: cold_seconds(candidate, x, flush), lambda: cold_seconds(baseline, x, flush),
-                                  lambda c, b: not c < MARGIN * b)
-        faster.append(not loses)
-    return faster
+        measured = []  # (candidate, baseline) seconds of each measurement
+
+        def lost(c: float, b: float) -> bool:
+            measured.append((c, b))
+            return not c < MARGIN * b
+
+        if not every_measurement(lambda: cold_seconds(candidate, x, flush), lambda: cold_seconds(baseline, x, flush),
+                                 lost):
+            verdicts.append(True)
+        else:
+            c, b = measured[-1]
+            verdicts.append(None if MARGIN * c <= b else False)
+    return verdicts
 
 
 def every_measurement(time_a, time_b, holds) -> bool:
