@@ -90,7 +90,8 @@ constexpr int tile_blocks(int64_t R) { return R == 1 ? 8 : R == 2 ? 4 : 2; }  //
 // Tiles (passes over a group's weights) of an M-row call.
 inline int64_t group_passes(int64_t M) {
   int64_t passes = 0;
-  for (int64_t m = 0; m < M; m += kMaxTileRows) passes += kGroup / 8 / tile_blocks(std::min<int64_t>(M - m, kMaxTileRows));
+  for (int64_t m = 0; m < M; m += kMaxTileRows)
+    passes += kGroup / 8 / tile_blocks(std::min<int64_t>(M - m, kMaxTileRows));
   return passes;
 }
 
