@@ -1,7 +1,8 @@
 """The few-row kernels against PyTorch's, by rows: bf16 (kernels/gemv_cpu.cpp) against oneDNN's
 packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_mm`, int4
-(kernels/gemv_int4_cpu.cpp, its bf16 pair layout where the CPU has one) against
-`torch._weight_int4pack_mm_for_cpu`, W8A8 (kernels/gemm_a8_cpu.cpp, int8 activations) against
+(kernels/gemv_int4_cpu.cpp, its bf16 pair layout where the CPU has one, else its lane layout on AVX-512)
+against `torch._weight_int4pack_mm_for_cpu`, int4f: int4 weights with float32 activations (the same
+kernel, its lane layout on AVX-512, and its AVX2 form) against the dense dequantised float32 matmul, W8A8 (kernels/gemm_a8_cpu.cpp, int8 activations) against
 the packed bf16 matmul and the int8 weight-only few-row kernel, W4A8 against the bf16 one and the
 int4 weight-only few-row kernel (its bf16 pair layout), bf16 weights with float32 activations
 (kernels/gemv_bf16w_cpu.cpp; its AVX-512 form and its AVX2 form, which AVX2-only CPUs run) against
@@ -10,6 +11,7 @@ PyTorch's float32 matmul of the same weights held as float32.
     python benchmarks/few_row_kernel.py --out benchmarks/results/engine/few_row_kernel.json
     python benchmarks/few_row_kernel.py --kind int8 --out benchmarks/results/engine/few_row_kernel_int8.json
     python benchmarks/few_row_kernel.py --kind int4 --shapes 1b --repeats 5
+    python benchmarks/few_row_kernel.py --kind int4f
     python benchmarks/few_row_kernel.py --kind w8a8
     python benchmarks/few_row_kernel.py --kind w4a8
     python benchmarks/few_row_kernel.py --kind bf16w
@@ -76,7 +78,7 @@ def int4_kernels(weights: list[torch.Tensor]) -> dict:
     stored = [quantize_weight(w, scheme) for w in weights]
     unpacked = [torch.stack((q["qweight"] & 0xF, q["qweight"] >> 4), dim=-1).view(w.shape).to(torch.int32)
                 for q, w in zip(stored, weights)]
-    pack = gemv_int4_cpu.pack_pairs if gemv_int4_cpu.pair_kernel() else gemv_int4_cpu.pack
+    pack = gemv_int4_cpu.packer(torch.bfloat16, DEFAULT_INT4_GROUP, bf16_values=True)
     ours = [pack(u, q["scales"], q["zeros"]) for u, q in zip(unpacked, stored)]
     theirs = [(torch._convert_weight_to_int4pack_for_cpu(u, 1),
                torch.stack((q["scales"], q["zeros"]), dim=-1).transpose(0, 1).contiguous().bfloat16())
@@ -87,6 +89,28 @@ def int4_kernels(weights: list[torch.Tensor]) -> dict:
         "few_rows": lambda xs: [gemv_int4_cpu.few_rows_linear(x, p, so, None, w.shape[0], group)
                                 for x, (p, so), w in zip(xs, ours, weights)],
     }
+
+
+def int4f_kernels(weights: list[torch.Tensor]) -> dict:
+    from specdecode.kernels import gemv_int4_cpu
+    from specdecode.models.quant import QuantizedLinear
+
+    if not gemv_int4_cpu.fits(weights[0].shape[1], 32, "cpu"):
+        raise SystemExit("the few-row int4 kernel does not run here (it needs AVX2, FMA and a C++ compiler)")
+    layers = [QuantizedLinear.from_weight(w.float(), None, QuantScheme.parse("int4")) for w in weights]
+    dense = [layer.dequantize() for layer in layers]
+    pack = gemv_int4_cpu.packer(torch.float32, 32, bf16_values=True)
+    ours = [pack(layer.unpacked_int4(), layer.scales, layer.zeros) for layer in layers]
+    avx2 = [gemv_int4_cpu.pack(layer.unpacked_int4(), layer.scales, layer.zeros) for layer in layers]
+    kernels = {
+        "float32": lambda xs: [torch.nn.functional.linear(x, w) for x, w in zip(xs, dense)],
+        "few_rows": lambda xs: [gemv_int4_cpu.few_rows_linear(x, p, so, None, w.shape[0], 32)
+                                for x, (p, so), w in zip(xs, ours, weights)],
+    }
+    if pack is not gemv_int4_cpu.pack:
+        kernels["few_rows_avx2"] = lambda xs: [gemv_int4_cpu.few_rows_linear(x, p, so, None, w.shape[0], 32)
+                                               for x, (p, so), w in zip(xs, avx2, weights)]
+    return kernels
 
 
 def w8a8_kernels(weights: list[torch.Tensor]) -> dict:
@@ -141,7 +165,7 @@ def bf16w_kernels(weights: list[torch.Tensor]) -> dict:
     }
 
 
-KINDS = {"bf16": bf16_kernels, "int8": int8_kernels, "int4": int4_kernels, "w8a8": w8a8_kernels,
+KINDS = {"bf16": bf16_kernels, "int8": int8_kernels, "int4": int4_kernels, "int4f": int4f_kernels, "w8a8": w8a8_kernels,
          "w4a8": w4a8_kernels, "bf16w": bf16w_kernels}
 
 
@@ -158,7 +182,7 @@ def main() -> None:
     layers = SHAPES[args.shapes]
     weights = [(torch.randn(n, k, generator=gen) * 0.02).bfloat16() for n, k in layers]
     kernels = KINDS[args.kind](weights)
-    activations = torch.float32 if args.kind == "bf16w" else torch.bfloat16
+    activations = torch.float32 if args.kind in ("bf16w", "int4f") else torch.bfloat16
     result = {"kind": args.kind, "shapes": args.shapes, "threads": torch.get_num_threads(), "torch": torch.__version__,
               "ms_per_forward": {}}
     with torch.inference_mode():

@@ -20,13 +20,16 @@ def _layer(n: int, k: int, group: int = 32, seed: int = 0, bias: bool = False) -
     return QuantizedLinear.from_weight(torch.randn(n, k, generator=g) * 0.05, b, QuantScheme(4, group))
 
 
+PACKS = {"avx2": gemv_int4_cpu.pack, "lanes": gemv_int4_cpu.pack_lanes, "pairs": gemv_int4_cpu.pack_pairs}
+
+
 def _kernel_tensors(layer: QuantizedLinear, layout: str = "avx2") -> tuple:
-    pack = gemv_int4_cpu.pack_pairs if layout == "pairs" else gemv_int4_cpu.pack
-    packed, scale_offsets = pack(layer.unpacked_int4(), layer.scales, layer.zeros)
+    packed, scale_offsets = PACKS[layout](layer.unpacked_int4(), layer.scales, layer.zeros)
     return packed, scale_offsets, None if layer.bias is None else layer.bias.float().contiguous()
 
 
 needs_pairs = pytest.mark.skipif(not gemv_int4_cpu.pair_kernel(), reason="the bf16 pair layout needs AVX-512 BF16 and VBMI")
+needs_lanes = pytest.mark.skipif(not gemv_int4_cpu.lane_kernel(), reason="the lane layout needs AVX-512")
 
 
 def test_the_layout_holds_each_outputs_nibble_in_its_word():
@@ -38,6 +41,43 @@ def test_the_layout_holds_each_outputs_nibble_in_its_word():
         word = words[n // 64, :, (n % 64) // 8]
         assert torch.equal((word >> (4 * (n % 8))) & 0xF, q[n].to(torch.int32)), n
     assert torch.count_nonzero(packed[1, :, 3:]) == 0  # outputs 70.. are padding
+
+
+def test_the_lane_layout_holds_each_outputs_nibbles_in_its_lane():
+    q = torch.randint(0, 16, (70, 64), generator=torch.Generator().manual_seed(0))
+    scales, zeros = torch.rand(70, 2).bfloat16().float(), torch.rand(70, 2).bfloat16().float()
+    packed, scale_zeros = gemv_int4_cpu.pack_lanes(q, scales, zeros)
+    assert packed.shape == (2, 32, 16) and packed.dtype == torch.int32
+    assert torch.equal(scale_zeros, gemv_int4_cpu.pack_pairs(q, scales, zeros)[1])  # the pair layout's scales and zeros
+    for n in (0, 9, 16, 17, 63, 64, 69):  # word n % 16 of each pair's line, nibbles 2 v and 2 v + 1
+        word, v = packed[n // 64, :, n % 16], (n % 64) // 16  # [K/2]
+        assert torch.equal((word >> (8 * v)) & 0xF, q[n, 0::2].to(torch.int32)), n
+        assert torch.equal((word >> (8 * v + 4)) & 0xF, q[n, 1::2].to(torch.int32)), n
+    assert torch.count_nonzero(packed[1, :, 6:16] & 0xFF) == 0  # outputs 70.. (lanes 6.. of vector 0) are padding
+    assert torch.count_nonzero(packed[1] >> 8) == 0  # and vectors 1-3
+
+
+@needs_lanes
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lane_layout_computes_what_the_avx2_one_does_bit_for_bit(dtype):
+    for n, k, group in [(300, 512, 32), (70, 256, 64), (13, 1408, 128)]:
+        layer = _layer(n, k, group, bias=True)
+        lanes, avx2 = _kernel_tensors(layer, "lanes"), _kernel_tensors(layer)
+        for m in (1, 2, 3, 4, 5, 8, 11, 16):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+            out = gemv_int4_cpu.few_rows_linear(x, *lanes, n, group)
+            assert torch.equal(out, gemv_int4_cpu.few_rows_linear(x, *avx2, n, group)), (n, m)
+    other = _kernel_tensors(_layer(n, k, group, seed=1, bias=True), "lanes")
+    assert not torch.equal(gemv_int4_cpu.few_rows_linear(x, *other, n, group), out)  # the check can fail
+
+
+def test_the_packer_picks_the_layout_the_build_serves():
+    lanes = gemv_int4_cpu.lane_kernel()
+    expected = gemv_int4_cpu.pack_lanes if lanes else gemv_int4_cpu.pack
+    assert gemv_int4_cpu.packer(torch.float32, 32, bf16_values=True) is expected
+    bf16 = gemv_int4_cpu.pack_pairs if gemv_int4_cpu.pair_kernel() else expected
+    assert gemv_int4_cpu.packer(torch.bfloat16, 32, bf16_values=True) is bf16
+    assert gemv_int4_cpu.packer(torch.float32, 32, bf16_values=False) is gemv_int4_cpu.pack  # fp32 scales
 
 
 @needs_pairs
@@ -62,6 +102,7 @@ def test_the_pair_layout_holds_each_outputs_two_nibbles_where_the_kernel_picks_t
                                        (96, 256, 128)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype,layout", [(torch.bfloat16, "avx2"), (torch.float32, "avx2"),
+                                          pytest.param(torch.float32, "lanes", marks=needs_lanes),
                                           pytest.param(torch.bfloat16, "pairs", marks=needs_pairs)])
 def test_the_kernel_computes_the_int4_matmul(n, k, group, bias, dtype, layout):
     layer = _layer(n, k, group, bias=bias)
@@ -78,7 +119,8 @@ def test_the_kernel_computes_the_int4_matmul(n, k, group, bias, dtype, layout):
     assert not torch.allclose(wrong.float(), ref, rtol=2 ** -7, atol=1e-3)  # the check can fail
 
 
-@pytest.mark.parametrize("layout", ["avx2", pytest.param("pairs", marks=needs_pairs)])
+@pytest.mark.parametrize("layout", ["avx2", pytest.param("lanes", marks=needs_lanes),
+                                    pytest.param("pairs", marks=needs_pairs)])
 def test_a_rows_result_does_not_depend_on_the_rows_beside_it(layout):
     layer = _layer(300, 512, bias=True)
     tensors = _kernel_tensors(layer, layout)
@@ -97,6 +139,9 @@ def test_the_pair_layout_takes_bf16_only_and_an_int4_layer_called_otherwise_fall
         gemv_int4_cpu.few_rows_linear(x, packed, scale_offsets, bias, 40, 32)
     with pytest.raises(RuntimeError, match="bf16 scales and zeros"):  # the AVX2 layout's fp32 scales and offsets
         gemv_int4_cpu.few_rows_linear(x.bfloat16(), packed, scale_offsets.float(), bias, 40, 32)
+    lanes, _, _ = _kernel_tensors(layer, "lanes")  # the same scales and zeros
+    out = gemv_int4_cpu.int4_linear(x, lanes, scale_offsets, bias, 40, 32, 16, None, None, None, None)
+    torch.testing.assert_close(out, x @ layer.dequantize().T + layer.bias, rtol=1e-5, atol=1e-4)  # the lane kernel
     out = gemv_int4_cpu.int4_linear(x, packed, scale_offsets, bias, 40, 32, 16, layer.dense_weight(torch.float32),
                                     None, None, layer.bias)  # float32 rows: the dense copy, not the kernel
     torch.testing.assert_close(out, x @ layer.dense_weight(torch.float32).T + layer.bias)
@@ -112,6 +157,11 @@ def test_bad_inputs_are_refused():
         gemv_int4_cpu.few_rows_linear(x, packed, scale_offsets.bfloat16(), None, 16, 32)
     with pytest.raises(RuntimeError, match="multiple of the group"):
         gemv_int4_cpu.few_rows_linear(x, packed, scale_offsets, None, 16, 48)
+    lanes, scale_zeros, _ = _kernel_tensors(layer, "lanes")
+    with pytest.raises(RuntimeError, match="lane layout|bf16 scales and zeros"):  # fp32 scales, or no AVX-512
+        gemv_int4_cpu.few_rows_linear(x, lanes, scale_offsets, None, 16, 32)
+    with pytest.raises(RuntimeError, match="packed layout"):  # a line of 16 words per input pair
+        gemv_int4_cpu.few_rows_linear(x, lanes.view(1, 64, 8), scale_zeros, None, 16, 32)
 
 
 def test_float32_activations_take_the_kernel_up_to_its_width_and_the_dense_copy_past_it():

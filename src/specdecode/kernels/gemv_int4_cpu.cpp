@@ -11,6 +11,10 @@
 // finished group adds acc * s + xsum * o (xsum: the row's input sum over the group). Widening 8
 // weights is one broadcast load, a variable shift, an and and a conversion.
 //
+// Two more layouts, of input pairs, for AVX-512 CPUs: the lane layout (float activations, any AVX-512:
+// the same sums as this one, bit for bit, at about half the time) and the pair layout (bf16 activations,
+// AVX-512 BF16). Python's `gemv_int4_cpu.packer` picks the one a build serves.
+//
 // Each output is computed by the same sequence of operations whatever tile it sits in, so a row's
 // output does not depend on the rows beside it.
 #include <torch/extension.h>
@@ -21,7 +25,11 @@
 #include <type_traits>
 #include <vector>
 
+#include "lines_ahead.h"
+
 namespace {
+
+using lines_ahead::LinesAhead;
 
 constexpr int64_t kGroup = 64;  // output channels per group of the layout (32 bytes per input)
 constexpr int kMaxTileRows = 4;  // accumulators and totals of 4 rows fill the 16 ymm registers
@@ -48,8 +56,14 @@ inline void with_rows(int64_t rows, F&& f) {
   f(std::integral_constant<int, kMax>{});
 }
 
-// Whether `packed` is in the bf16 pair layout [ceil(N / 64), K / 2, 64] (else the AVX2 one, [.., K, 32]).
-inline bool pair_layout(const torch::Tensor& packed) { return packed.dim() == 3 && packed.size(2) == 64; }
+// The packed weights' layout: the AVX2 one ([ceil(N / 64), K, 32] uint8), the lane layout ([.., K / 2, 16]
+// int32) or the pair layout ([.., K / 2, 64] uint8).
+enum class Layout { kAvx2, kLanes, kPairs };
+
+inline Layout layout_of(const torch::Tensor& packed) {
+  if (packed.scalar_type() == at::kInt) return Layout::kLanes;
+  return packed.dim() == 3 && packed.size(2) == 64 ? Layout::kPairs : Layout::kAvx2;
+}
 
 // Each row's input sum per group, in input order: [M * K / group] fp32.
 template <typename in_t>
@@ -144,6 +158,124 @@ void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* sc
   });
 }
 
+#if defined(__AVX512F__)
+// float32 activations on an AVX-512 CPU: the lane layout [ceil(N / 64), K / 2, 16] int32, one line of 16 words
+// per input pair p whose word l holds at bits 4i .. 4i + 3 the nibble of output 16 (i / 2) + l, input
+// 2p + i % 2. Eight shifts (by 4i) of the line and one vpermps each of the table {0, 1, .., 15} (its index
+// is the low 4 bits of each lane: no mask) give eight vectors of 16 weights as fp32: 2 instructions per 16
+// weights, where the AVX2 form takes 4 per 8 and was compute-bound. Scales and zeros are bf16 (the pair
+// layout's), 1 bit per weight at groups of 32 where fp32 scales and offsets read 2; each group's offset
+// z - 8 s is made in fp32 as `pack` makes it. Each output's sum runs over its inputs in order, one FMA
+// chain per group from zero, then acc * s + xsum * (z - 8 s), as in the AVX2 form: the same results, bit
+// for bit, at half its time or less (BENCHMARKS.md "forty-fourth pass").
+constexpr bool kLaneKernel = true;
+
+inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 values as fp32 (exact: a 16-bit shift)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// Tiles: R rows x NV vectors of 16 outputs, vectors V0 .. V0 + NV - 1 of a layout group (first output n0).
+template <int R, int NV, int V0, typename out_t>
+inline void lane_tile(const float* x, const float* xsum, const int32_t* w, int64_t K, int64_t group,
+                      const at::BFloat16* sz, int64_t n0, int64_t N, const float* bias, out_t* y,
+                      const LinesAhead& ahead) {
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t groups = K / group, pairs_per_group = group / 2;
+  __m512 total[R * NV];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NV; ++i) total[i] = _mm512_setzero_ps();
+  for (int64_t kg = 0; kg < groups; ++kg) {
+    __m512 acc[R * NV];
+#pragma GCC unroll 16
+    for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t p = kg * pairs_per_group; p < (kg + 1) * pairs_per_group; ++p) {
+      if (ahead.first != nullptr) ahead.at(p);
+      const __m512i line = _mm512_loadu_si512(w + p * 16);
+#pragma GCC unroll 2
+      for (int u = 0; u < 2; ++u) {  // input 2p, then 2p + 1: each output's sum in input order
+        __m512 xb[R];
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) xb[r] = _mm512_set1_ps(x[r * K + 2 * p + u]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) {
+          const int shift = 4 * (2 * (V0 + j) + u);
+          const __m512 wv = _mm512_permutexvar_ps(shift == 0 ? line : _mm512_srli_epi32(line, shift), table);
+#pragma GCC unroll 8
+          for (int r = 0; r < R; ++r) acc[r * NV + j] = _mm512_fmadd_ps(xb[r], wv, acc[r * NV + j]);
+        }
+      }
+    }
+    const at::BFloat16* s = sz + kg * 2 * kGroup;  // this layout group's scales, then zeros, of its 64 outputs
+    __m512 scale[NV], offset[NV];
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) {
+      scale[j] = load_bf16(s + (V0 + j) * 16);
+      offset[j] = _mm512_sub_ps(load_bf16(s + kGroup + (V0 + j) * 16), _mm512_mul_ps(_mm512_set1_ps(8.0f), scale[j]));
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xs = _mm512_set1_ps(xsum[r * groups + kg]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j)
+        total[r * NV + j] = _mm512_fmadd_ps(xs, offset[j], _mm512_fmadd_ps(acc[r * NV + j], scale[j], total[r * NV + j]));
+    }
+  }
+  alignas(64) float sums[R * NV * 16];
+#pragma GCC unroll 16
+  for (int i = 0; i < R * NV; ++i) _mm512_store_ps(sums + i * 16, total[i]);
+  store_rows(sums, R, NV * 16, n0, N, bias, y);
+}
+
+// Vectors of 16 outputs per tile of R rows: all four up to 2 rows, else two (accumulators and totals of
+// 4 rows x 2 vectors, an input's 4 broadcasts, the line, the table and the weights: about 24 of the 32 zmm).
+constexpr int lane_vectors(int64_t R) { return R <= 2 ? 4 : 2; }
+
+// Every output of layout group g for R rows, tile by tile; `ahead(pass)` what the pass prefetches.
+template <int R, typename out_t, typename Ahead>
+inline void lane_group_rows(const float* x, const float* xsum, const int32_t* wgroup, int64_t K, int64_t group,
+                            const at::BFloat16* sz, int64_t g, int64_t N, const float* bias, out_t* y, int64_t& pass,
+                            const Ahead& ahead) {
+  constexpr int NV = lane_vectors(R);
+  lane_tile<R, NV, 0>(x, xsum, wgroup, K, group, sz, g * kGroup, N, bias, y, ahead(pass++));
+  if constexpr (NV == 2) {
+    if (g * kGroup + 32 < N) lane_tile<R, NV, 2>(x, xsum, wgroup, K, group, sz, g * kGroup + 32, N, bias, y, ahead(pass++));
+  }
+}
+
+template <typename out_t>
+void lane_gemm_rows(const float* x, int64_t M, const int32_t* packed, const at::BFloat16* scale_zeros, int64_t N,
+                    int64_t K, int64_t group, const float* bias, out_t* y) {
+  const int64_t groups = K / group, layout_groups = (N + kGroup - 1) / kGroup, group_words = K * 8;
+  int64_t passes = 0;  // tiles over a layout group's weights
+  for (int64_t m = 0; m < M; m += kMaxTileRows) passes += 4 / lane_vectors(std::min<int64_t>(M - m, kMaxTileRows));
+  const std::vector<float> xsum = group_sums(x, M, K, group);
+  at::parallel_for(0, layout_groups, 1, [&](int64_t begin, int64_t end) {
+    const int32_t* range_end = packed + end * group_words;
+    for (int64_t g = begin; g < end; ++g) {
+      const int32_t* wgroup = packed + g * group_words;
+      const int32_t* next = g + 1 < end ? wgroup + group_words : nullptr;
+      const at::BFloat16* sz = scale_zeros + g * groups * 2 * kGroup;
+      // One pass (1-2 rows) streams ahead of its reads (a line a step); more split the next group.
+      auto ahead = [&](int64_t pass) {
+        return passes == 1 ? lines_ahead::stream(wgroup, range_end, 1)
+                           : lines_ahead::share(next, group_words * 4, passes, K / 2, pass);
+      };
+      int64_t pass = 0;
+      for (int64_t m = 0; m < M; m += kMaxTileRows) {
+        const float* xm = x + m * K;
+        const float* sm = xsum.data() + m * groups;
+        out_t* ym = y + m * N;
+        with_rows<kMaxTileRows>(M - m, [&](auto R) {
+          lane_group_rows<R()>(xm, sm, wgroup, K, group, sz, g, N, bias, ym, pass, ahead);
+        });
+      }
+    }
+  });
+}
+#else
+constexpr bool kLaneKernel = false;
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
 // bf16 activations on a CPU with AVX-512 BF16 (and VBMI): the pair layout [ceil(N / 64), K / 2, 64] bytes,
 // one 64-byte line per input pair p holding each of the group's 64 outputs' q[2p] (low nibble) and
@@ -159,10 +291,6 @@ void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* sc
 // Why: the AVX2 path widens each weight to fp32 and multiplies with FMAs, compute-bound at about
 // 12 GB/s of int4 weights on a 2-core AVX-512 EPYC (a 1B model decoded at 0.47x llama.cpp's Q4_0).
 constexpr bool kPairKernel = true;
-
-inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 values as fp32 (exact: a 16-bit shift)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
 
 // Tiles: R rows x NV vectors of 16 outputs, vectors j0 .. j0 + NV - 1 of a layout group (first output n0).
 template <int R, int NV, typename out_t>
@@ -258,28 +386,34 @@ constexpr bool kPairKernel = false;
 }  // namespace
 
 // x [M, K] bf16/fp16/fp32, packed [ceil(N/64), K, 32] uint8, scale_offsets [ceil(N/64), K/group, 2, 64]
-// fp32 (scales, offsets), bias [N] fp32 or None -> y [M, N] in x's dtype. The pair layout: x bf16, packed
-// [ceil(N/64), K/2, 64], scale_offsets bf16 [ceil(N/64), K/group, 2, 64] (scales, zeros).
+// fp32 (scales, offsets), bias [N] fp32 or None -> y [M, N] in x's dtype. The lane layout (an AVX-512 CPU):
+// packed [ceil(N/64), K/2, 16] int32, scale_offsets bf16 [ceil(N/64), K/group, 2, 64] (scales, zeros); the
+// pair layout (x bf16, a CPU with AVX-512 BF16 and VBMI): packed [ceil(N/64), K/2, 64] uint8, bf16 ones.
 torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& scale_offsets,
                         const c10::optional<torch::Tensor>& bias, int64_t N, int64_t group) {
-  TORCH_CHECK(x.dim() == 2 && packed.scalar_type() == at::kByte, "2-D input and uint8 packed weights");
+  TORCH_CHECK(x.dim() == 2 && (packed.scalar_type() == at::kByte || packed.scalar_type() == at::kInt),
+              "2-D input and uint8 (or int32) packed weights");
   const int64_t M = x.size(0), K = x.size(1), layout_groups = (N + kGroup - 1) / kGroup;
   TORCH_CHECK(group > 0 && K % group == 0, "the input size is a multiple of the group size");
-  const bool pairs = pair_layout(packed);
+  const Layout layout = layout_of(packed);
+  const int64_t line = layout == Layout::kAvx2 ? 32 : layout == Layout::kPairs ? 64 : 16;
   TORCH_CHECK(packed.is_contiguous() && packed.dim() == 3 && packed.size(0) == layout_groups &&
-                  (pairs ? packed.size(1) * 2 == K : packed.size(1) == K && packed.size(2) == 32),
-              "weights are not in the packed layout [ceil(N / 64), K, 32] (or the pair layout [ceil(N / 64), K / 2, 64])");
-  TORCH_CHECK(!pairs || (kPairKernel && x.scalar_type() == at::kBFloat16 && group % 2 == 0),
+                  packed.size(1) * (layout == Layout::kAvx2 ? 1 : 2) == K && packed.size(2) == line,
+              "weights are not in the packed layout [ceil(N / 64), K, 32] (or the lane layout [ceil(N / 64), "
+              "K / 2, 16] int32, or the pair layout [ceil(N / 64), K / 2, 64])");
+  TORCH_CHECK(layout != Layout::kPairs || (kPairKernel && x.scalar_type() == at::kBFloat16 && group % 2 == 0),
               "the pair layout takes bf16 activations on a CPU with AVX-512 BF16 and VBMI");
-  TORCH_CHECK(scale_offsets.scalar_type() == (pairs ? at::kBFloat16 : at::kFloat) && scale_offsets.is_contiguous() &&
-                  scale_offsets.numel() == layout_groups * (K / group) * 2 * kGroup,
-              "fp32 scales and offsets [ceil(N / 64), K / group, 2, 64] (the pair layout: bf16 scales and zeros)");
+  TORCH_CHECK(layout != Layout::kLanes || (kLaneKernel && group % 2 == 0), "the lane layout needs a CPU with AVX-512");
+  TORCH_CHECK(scale_offsets.scalar_type() == (layout == Layout::kAvx2 ? at::kFloat : at::kBFloat16) &&
+                  scale_offsets.is_contiguous() && scale_offsets.numel() == layout_groups * (K / group) * 2 * kGroup,
+              "fp32 scales and offsets [ceil(N / 64), K / group, 2, 64] (the lane and pair layouts: bf16 scales "
+              "and zeros)");
   TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == N),
               "fp32 bias, one per output");
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   auto y = torch::empty({M, N}, x.options());
 #if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
-  if (pairs) {
+  if (layout == Layout::kPairs) {
     const auto xc = x.contiguous();
     pair_gemm_rows(xc.data_ptr<at::BFloat16>(), M, packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<at::BFloat16>(),
                    N, K, group, b, y.data_ptr<at::BFloat16>());
@@ -288,6 +422,11 @@ torch::Tensor gemm_int4(const torch::Tensor& x, const torch::Tensor& packed, con
 #endif
   auto xf = x.to(at::kFloat).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemm_int4", [&] {
+#if defined(__AVX512F__)
+    if (layout == Layout::kLanes)
+      return lane_gemm_rows<scalar_t>(xf.data_ptr<float>(), M, packed.data_ptr<int32_t>(),
+                                      scale_offsets.data_ptr<at::BFloat16>(), N, K, group, b, y.data_ptr<scalar_t>());
+#endif
     gemm_rows<scalar_t>(xf.data_ptr<float>(), M, packed.data_ptr<uint8_t>(), scale_offsets.data_ptr<float>(), N, K,
                         group, b, y.data_ptr<scalar_t>());
   });
@@ -305,7 +444,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& packed, c
   auto out_shape = x.sizes().vec();
   out_shape.back() = N;
   // The pair layout serves bf16 activations only (a layer attached for them, called with others, falls back).
-  const bool served = !pair_layout(packed) || x.scalar_type() == at::kBFloat16;
+  const bool served = layout_of(packed) != Layout::kPairs || x.scalar_type() == at::kBFloat16;
   if (rows <= few_upto && served)
     return gemm_int4(x.reshape({rows, K}), packed, scale_offsets, few_bias, N, group).view(out_shape);
   if (dense.has_value()) return at::linear(x, *dense, bias);
@@ -328,4 +467,5 @@ TORCH_LIBRARY_IMPL(specdecode_int4, CPU, m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The ops are registered with the dispatcher above (torch.ops.specdecode_int4).
   m.def("pair_kernel", [] { return kPairKernel; }, "whether this build has the bf16 pair-layout kernel");
+  m.def("lane_kernel", [] { return kLaneKernel; }, "whether this build has the AVX-512 lane-layout kernel");
 }

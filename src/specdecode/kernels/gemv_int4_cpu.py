@@ -1,6 +1,8 @@
 """Few-row int4 weight-only matmuls for decoding on an AVX2 CPU (gemv_int4_cpu.cpp): int4 weights (groups
 of g inputs, w = (q - 8) * s + z) in a layout of 64-output groups, widened to fp32 in registers, for the
-1-16 rows of a decode, drafting or verification step.
+1-16 rows of a decode, drafting or verification step. Three layouts: `pack` (AVX2), `pack_lanes` (float
+activations on an AVX-512 CPU) and `pack_pairs` (bf16 activations on an AVX-512 BF16 CPU); `packer` picks
+one.
 
 Served by int4 `QuantizedLinear` layers (models/inference.py `attach_few_row_kernels`) up to the width
 measured per layer shape where the CPU has AVX2 and FMA and the build succeeds; anything else keeps
@@ -82,6 +84,39 @@ def pack_pairs(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tu
     position = torch.arange(GROUP)
     output_at = 16 * ((position % 8) // 2) + 2 * (position // 8) + position % 2  # the output byte `position` holds
     return by_output[..., output_at].contiguous(), _by_layout_group(scales, zeros).bfloat16()
+
+
+def lane_kernel() -> bool:
+    """Whether the built kernel has its AVX-512 float path: the lane layout (`pack_lanes`)."""
+    extension = _extension()
+    return extension is not None and extension.lane_kernel()
+
+
+def pack_lanes(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of the AVX-512 float path: q [N, K] values in [0, 15] (K even), scales and zeros [N, K / g]
+    (bf16 values) -> (packed [ceil(N/64), K/2, 16] int32: the line of input pair p, whose word l holds at
+    bits 4i .. 4i + 3 output 16 (i // 2) + l's q at input 2p + i % 2; scale_zeros as `pack_pairs`')."""
+    N, K = q.shape
+    groups = -(-N // GROUP)
+    padded = q.new_zeros(groups * GROUP, K)
+    padded[:N] = q
+    # [G, vector v, lane l, pair p, input u] -> [G, p, l, nibble i = 2v + u]
+    nibbles = padded.view(groups, 4, 16, K // 2, 2).permute(0, 3, 2, 1, 4).reshape(groups, K // 2, 16, 8)
+    nibbles = nibbles.to(torch.uint8)
+    words = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)  # [G, K/2, 16, 4]: byte b holds nibbles 2b, 2b + 1
+    return words.contiguous().view(torch.int32).view(groups, K // 2, 16), _by_layout_group(scales, zeros).bfloat16()
+
+
+def packer(dtype: torch.dtype, group_size: int, bf16_values: bool):
+    """The pack function of the layout this build serves activations of `dtype` from. Where the scales and
+    zeros are bf16 values (`bf16_values`, as quantize_weight makes them): the pair layout for bf16 ones on a
+    CPU with AVX-512 BF16, else the lane layout on an AVX-512 CPU; otherwise the AVX2 one."""
+    if bf16_values and group_size % 2 == 0:
+        if dtype == torch.bfloat16 and pair_kernel():
+            return pack_pairs
+        if lane_kernel():
+            return pack_lanes
+    return pack
 
 
 def few_rows_linear(x: torch.Tensor, packed: torch.Tensor, scale_offsets: torch.Tensor, bias: torch.Tensor | None,

@@ -199,10 +199,9 @@ def _int4_few_rows(x: torch.Tensor, tensors: tuple, layer: QuantizedLinear) -> t
 
 def _int4_tensors(layer: QuantizedLinear, dtype: torch.dtype) -> tuple:
     # bf16 activations on an AVX-512 BF16 CPU: the kernel's pair layout (vdpbf16ps, bf16 scales and zeros:
-    # bf16 values wherever quantize_weight made them), else its AVX2 one.
-    bf16_pairs = (dtype == torch.bfloat16 and gemv_int4_cpu.pair_kernel() and layer.scheme.group_size % 2 == 0
-                  and all(torch.equal(t, t.bfloat16().to(t.dtype)) for t in (layer.scales, layer.zeros)))
-    pack = gemv_int4_cpu.pack_pairs if bf16_pairs else gemv_int4_cpu.pack
+    # bf16 values wherever quantize_weight made them), else its lane layout (AVX-512) or its AVX2 one.
+    bf16_values = all(torch.equal(t, t.bfloat16().to(t.dtype)) for t in (layer.scales, layer.zeros))
+    pack = gemv_int4_cpu.packer(dtype, layer.scheme.group_size, bf16_values)
     packed, scale_offsets = pack(layer.unpacked_int4(), layer.scales, layer.zeros)
     return packed, scale_offsets, None if layer.bias is None else layer.bias.float().contiguous()
 
