@@ -65,6 +65,8 @@ def int8_kernels(weights: list[torch.Tensor]) -> dict:
         "int8pack": lambda xs: [torch._weight_int8pack_mm(x, q["qweight"], s) for x, q, s in zip(xs, stored, scales)],
         "few_rows": lambda xs: [gemv_int8_cpu.few_rows_linear(x, b, q["scales"], None, w.shape[0])
                                 for x, b, q, w in zip(xs, blocked, stored, weights)],
+        "few_rows_avx2": lambda xs: [gemv_int8_cpu.few_rows_linear(x, b, q["scales"], None, w.shape[0], avx2=True)
+                                     for x, b, q, w in zip(xs, blocked, stored, weights)],
     }
 
 

@@ -55,6 +55,19 @@ def test_a_rows_result_does_not_depend_on_the_rows_beside_it():
         assert torch.equal(gemv_int8_cpu.few_rows_linear(x[:m], *tensors, 300), alone[:m]), m
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_avx512_form_computes_what_the_avx2_one_does_bit_for_bit(dtype):
+    # On an AVX2-only CPU both ops run the AVX2 form and this holds trivially.
+    for n, k in [(300, 512), (70, 36), (13, 1408)]:
+        tensors = _kernel_tensors(_layer(n, k, bias=True))
+        for m in range(1, 17):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype)
+            out = gemv_int8_cpu.few_rows_linear(x, *tensors, n)
+            assert torch.equal(out, gemv_int8_cpu.few_rows_linear(x, *tensors, n, avx2=True)), (n, m)
+    other = _kernel_tensors(_layer(n, k, seed=1, bias=True))
+    assert not torch.equal(gemv_int8_cpu.few_rows_linear(x, *other, n, avx2=True), out)  # the check can fail
+
+
 def test_bad_inputs_are_refused():
     layer = _layer(16, 64)
     blocked, scales, _ = _kernel_tensors(layer)

@@ -1,5 +1,6 @@
-// Few-row int8 weight-only matmuls for decoding (CPU, AVX2 + FMA): y[M, N] = (x[M, K] @ Q[N, K]^T) * s[N]
-// for the 1-16 rows of a decode, drafting or verification step, Q int8 per output channel with scale s.
+// Few-row int8 weight-only matmuls for decoding (CPU, AVX2 + FMA or AVX-512F):
+// y[M, N] = (x[M, K] @ Q[N, K]^T) * s[N] for the 1-16 rows of a decode, drafting or verification step,
+// Q int8 per output channel with scale s.
 //
 // Why: on an AVX2-only CPU (AMD EPYC, no AVX-512) PyTorch's `_weight_int8pack_mm` takes about
 // 2.2 weights a cycle per core (the default model's 512 -> 8192 head: 311 us at one row, in cache);
@@ -14,6 +15,9 @@
 // the 16 ymm registers (a spilled accumulator measured 1.4x slower) while the FMAs outnumber the
 // widenings: the default model's 25 matmuls measured 1.2x faster at 1 row and 1.4x at 5-6 rows than
 // the earlier layout, which summed 8 inputs per lane and reduced lanes at the end.
+//
+// On an AVX-512 CPU a second form of the same computation takes a group's whole line for up to 6 rows
+// (16-lane FMAs; below, `gemm_rows_avx512`): the same results, bit for bit.
 //
 // Each output is the sum over k in order (one FMA chain from zero), then times its scale, plus its
 // bias, whatever tile it sits in, so a row's output does not depend on the rows beside it.
@@ -37,6 +41,21 @@ constexpr int kMaxTileRows = 6;  // rows per tile beyond which a step takes seve
 
 inline __m256 widen(const int8_t* w) {  // 8 int8 -> 8 fp32 (exact)
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+// A tile's R rows of `width` sums (row r at sums + r * width) times their outputs' scales, plus the bias,
+// as outputs n0 .. of y (row stride N): one piece of code for both vector forms, so they round alike.
+template <typename out_t>
+inline void store_scaled(const float* sums, int R, int64_t width, int64_t n0, int64_t N, const float* scales,
+                         const float* bias, out_t* y) {
+  const int64_t outputs = std::min<int64_t>(width, N - n0);
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < outputs; ++i) {
+      float v = sums[r * width + i] * scales[n0 + i];
+      if (bias != nullptr) v += bias[n0 + i];
+      y[r * N + n0 + i] = static_cast<out_t>(v);
+    }
+  }
 }
 
 // R rows (x fp32, row stride K) x NB blocks of 8 outputs from n0, w at the tile's first block in its
@@ -75,14 +94,7 @@ inline void tile(const float* x, const int8_t* w, int64_t K, int64_t n0, int64_t
   alignas(32) float sums[R * NB * 8];  // stored with fixed indices, so no accumulator lives in memory in the loop
 #pragma GCC unroll 16
   for (int i = 0; i < R * NB; ++i) _mm256_store_ps(sums + i * 8, acc[i]);
-  const int64_t outputs = std::min<int64_t>(NB * 8, N - n0);
-  for (int r = 0; r < R; ++r) {
-    for (int64_t i = 0; i < outputs; ++i) {
-      float v = sums[r * NB * 8 + i] * scales[n0 + i];
-      if (bias != nullptr) v += bias[n0 + i];
-      y[r * N + n0 + i] = static_cast<out_t>(v);
-    }
-  }
+  store_scaled(sums, R, NB * 8, n0, N, scales, bias, y);
 }
 
 constexpr int tile_blocks(int64_t R) { return R == 1 ? 8 : R == 2 ? 4 : 2; }  // NB of an R-row tile
@@ -108,8 +120,8 @@ inline void group_rows(const float* x, const int8_t* wgroup, int64_t K, int64_t 
 }
 
 template <typename out_t>
-void gemm_rows(const float* x, int64_t M, const int8_t* wgrouped, int64_t N, int64_t K, const float* scales,
-               const float* bias, out_t* y) {
+void gemm_rows_avx2(const float* x, int64_t M, const int8_t* wgrouped, int64_t N, int64_t K, const float* scales,
+                    const float* bias, out_t* y) {
   const int64_t groups = (N + kGroup - 1) / kGroup, group_bytes = K * kGroup, passes = group_passes(M);
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
     const int8_t* range_end = wgrouped + end * group_bytes;
@@ -138,11 +150,88 @@ void gemm_rows(const float* x, int64_t M, const int8_t* wgrouped, int64_t N, int
   });
 }
 
+#if defined(__AVX512F__)
+// The AVX-512 form: a group's whole line of 64 outputs (4 zmm of 16) for up to 6 rows at once (24
+// accumulators, the line's 4 widened vectors and a broadcast in 32 registers), so each group's weights are
+// widened once per 6 rows where the AVX2 form widens them once per tile of 8-16 outputs; FMAs of 16 lanes.
+// Each output's sum is the AVX2 form's FMA chain, then the same scaling: the same results, bit for bit.
+constexpr int kWideRows = 6;
+
+inline __m512 widen16(const int8_t* w) {  // 16 int8 -> 16 fp32 (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+}
+
+template <int R, typename out_t>
+inline void wide_tile(const float* x, const int8_t* w, int64_t K, int64_t n0, int64_t N, const float* scales,
+                      const float* bias, out_t* y, const LinesAhead& ahead) {
+  __m512 acc[R * 4];
+#pragma GCC unroll 24
+  for (int i = 0; i < R * 4; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k, w += kGroup) {
+    if (ahead.first != nullptr) ahead.at(k);
+    __m512 wv[4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) wv[j] = widen16(w + j * 16);
+#pragma GCC unroll 6
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * K + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) acc[r * 4 + j] = _mm512_fmadd_ps(xb, wv[j], acc[r * 4 + j]);
+    }
+  }
+  alignas(64) float sums[R * kGroup];
+#pragma GCC unroll 24
+  for (int i = 0; i < R * 4; ++i) _mm512_store_ps(sums + i * 16, acc[i]);
+  store_scaled(sums, R, kGroup, n0, N, scales, bias, y);
+}
+
+template <typename out_t>
+void gemm_rows_avx512(const float* x, int64_t M, const int8_t* wgrouped, int64_t N, int64_t K, const float* scales,
+                      const float* bias, out_t* y) {
+  const int64_t groups = (N + kGroup - 1) / kGroup, group_bytes = K * kGroup;
+  const int64_t passes = (M + kWideRows - 1) / kWideRows;  // tiles over a group's weights
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    const int8_t* range_end = wgrouped + end * group_bytes;
+    for (int64_t g = begin; g < end; ++g) {
+      const int8_t* wgroup = wgrouped + g * group_bytes;
+      const int8_t* next = g + 1 < end ? wgroup + group_bytes : nullptr;
+      for (int64_t m = 0, pass = 0; m < M; m += kWideRows, ++pass) {
+        // One tile streams ahead of its reads (a line a step); more split the next group.
+        const LinesAhead ahead = passes == 1 ? lines_ahead::stream(wgroup, range_end, 1)
+                                             : lines_ahead::share(next, group_bytes, passes, K, pass);
+        const float* xm = x + m * K;
+        out_t* ym = y + m * N;
+        const int64_t n0 = g * kGroup;
+        switch (std::min<int64_t>(M - m, kWideRows)) {
+          case 6: wide_tile<6>(xm, wgroup, K, n0, N, scales, bias, ym, ahead); break;
+          case 5: wide_tile<5>(xm, wgroup, K, n0, N, scales, bias, ym, ahead); break;
+          case 4: wide_tile<4>(xm, wgroup, K, n0, N, scales, bias, ym, ahead); break;
+          case 3: wide_tile<3>(xm, wgroup, K, n0, N, scales, bias, ym, ahead); break;
+          case 2: wide_tile<2>(xm, wgroup, K, n0, N, scales, bias, ym, ahead); break;
+          default: wide_tile<1>(xm, wgroup, K, n0, N, scales, bias, ym, ahead); break;
+        }
+      }
+    }
+  });
+}
+#endif
+
+// The widest vector form this build has (AVX-512F where the CPU has it), or the AVX2 one (`avx2`: what an
+// AVX2-only CPU computes, the same numbers; tests and benchmarks).
+template <typename out_t>
+void gemm_rows(const float* x, int64_t M, const int8_t* wgrouped, int64_t N, int64_t K, const float* scales,
+               const float* bias, out_t* y, bool avx2) {
+#if defined(__AVX512F__)
+  if (!avx2) return gemm_rows_avx512(x, M, wgrouped, N, K, scales, bias, y);
+#endif
+  gemm_rows_avx2(x, M, wgrouped, N, K, scales, bias, y);
+}
+
 }  // namespace
 
 // x [M, K] bf16/fp16/fp32, w blocked int8, scales [N] fp32, bias [N] fp32 or None -> y [M, N] in x's dtype
-torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                        const c10::optional<torch::Tensor>& bias, int64_t N) {
+torch::Tensor gemm_int8_with(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                             const c10::optional<torch::Tensor>& bias, int64_t N, bool avx2) {
   TORCH_CHECK(x.dim() == 2 && w.scalar_type() == at::kChar, "2-D input and int8 blocked weights");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == N,
               "fp32 scales, one per output");
@@ -157,9 +246,21 @@ torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const to
   auto y = torch::empty({M, N}, x.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "gemm_int8", [&] {
     gemm_rows<scalar_t>(xf.data_ptr<float>(), M, w.data_ptr<int8_t>(), N, K, scales.data_ptr<float>(), b,
-                        y.data_ptr<scalar_t>());
+                        y.data_ptr<scalar_t>(), avx2);
   });
   return y;
+}
+
+torch::Tensor gemm_int8(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                        const c10::optional<torch::Tensor>& bias, int64_t N) {
+  return gemm_int8_with(x, w, scales, bias, N, false);
+}
+
+// The AVX2 form on any CPU this build runs on (tests; benchmarks/few_row_kernel.py --kind int8's
+// few_rows_avx2 column).
+torch::Tensor gemm_int8_avx2(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                             const c10::optional<torch::Tensor>& bias, int64_t N) {
+  return gemm_int8_with(x, w, scales, bias, N, true);
 }
 
 // An int8 layer's whole matmul, x [..., K] -> [..., N]: up to `few_upto` rows this kernel, beyond them
@@ -183,12 +284,14 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& blocked, 
 
 TORCH_LIBRARY(specdecode_int8, m) {
   m.def("gemm_int8(Tensor x, Tensor blocked, Tensor scales, Tensor? bias, int out_features) -> Tensor");
+  m.def("gemm_int8_avx2(Tensor x, Tensor blocked, Tensor scales, Tensor? bias, int out_features) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor blocked, Tensor few_scales, Tensor? few_bias, int out_features, int few_upto, "
         "Tensor? dense, Tensor? qweight, Tensor? qscales, Tensor? bias) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(specdecode_int8, CPU, m) {
   m.impl("gemm_int8", &gemm_int8);
+  m.impl("gemm_int8_avx2", &gemm_int8_avx2);
   m.impl("int8_linear", &int8_linear);
 }
 

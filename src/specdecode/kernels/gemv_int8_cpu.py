@@ -1,6 +1,6 @@
-"""Few-row int8 weight-only matmuls for decoding on an AVX2 CPU (gemv_int8_cpu.cpp): int8 weights in a
-layout of 64-output groups, widened to fp32 in registers and streamed once per tile of up to 6 rows,
-for the 1-16 rows of a decode, drafting or verification step.
+"""Few-row int8 weight-only matmuls for decoding on an AVX2 or AVX-512 CPU (gemv_int8_cpu.cpp): int8
+weights in a layout of 64-output groups, widened to fp32 in registers and streamed once per tile of up to
+6 rows, for the 1-16 rows of a decode, drafting or verification step.
 
 Served by int8 `QuantizedLinear` layers (models/inference.py `attach_few_row_kernels`) up to the
 width measured per layer shape where the CPU has AVX2 and FMA and the build succeeds; anything else
@@ -26,7 +26,7 @@ GROUP = 64  # output channels per group of the layout
 def _extension():
     """The built module (`build.few_row_ops`), or None where it is not available here; loading it
     registers the ops `torch.ops.specdecode_int8.*`."""
-    return build.few_row_ops("gemv_int8_kernels", SOURCE, "specdecode_int8", ('gemm_int8', 'int8_linear'), "PyTorch's int8 kernel serves instead")
+    return build.few_row_ops("gemv_int8_kernels", SOURCE, "specdecode_int8", ('gemm_int8', 'gemm_int8_avx2', 'int8_linear'), "PyTorch's int8 kernel serves instead")
 
 
 def fits(in_features: int, device) -> bool:
@@ -41,9 +41,11 @@ def block_weight(qweight: torch.Tensor) -> torch.Tensor:
 
 
 def few_rows_linear(x: torch.Tensor, blocked: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                    out_features: int) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32) -> (x @ Q^T) * scales + bias [M, N] in x's dtype (scales, bias [N] fp32)."""
-    return torch.ops.specdecode_int8.gemm_int8(x, blocked, scales, bias, out_features)
+                    out_features: int, avx2: bool = False) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32) -> (x @ Q^T) * scales + bias [M, N] in x's dtype (scales, bias [N] fp32);
+    `avx2`: the kernel's AVX2 form (what an AVX2-only CPU computes, the same numbers) on an AVX-512 one."""
+    op = torch.ops.specdecode_int8.gemm_int8_avx2 if avx2 else torch.ops.specdecode_int8.gemm_int8
+    return op(x, blocked, scales, bias, out_features)
 
 
 def int8_linear(x: torch.Tensor, blocked: torch.Tensor, few_scales: torch.Tensor, few_bias: torch.Tensor | None,
