@@ -9,8 +9,9 @@ one-sequence forward in one C++ call (models/native_stack.py NativeChain; the ba
 their Python around the stack); `--against host-argmax`: a greedy step's argmax taken by that C++ call
 (the baseline's runners leave it to the caller, from the logits); `--against float32-weights`: a bf16
 checkpoint's weights kept as bf16 under float32 activations (models/inference.py Bf16WeightLinear; the
-baseline's target and drafter hold them as float32, PyTorch's matmuls); `--against same`: an A / A
-control (the baseline built as the candidate).
+baseline's target and drafter hold them as float32, PyTorch's matmuls); `--against int4-avx2`: the int4
+kernel's lane layout on an AVX-512 CPU (kernels/gemv_int4_cpu.cpp; the baseline's int4 layers take its
+AVX2 layout, the same numbers); `--against same`: an A / A control (the baseline built as the candidate).
 
     python benchmarks/few_row_ab.py --quantization int8 [--method ngram] [--compile]
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against eager
@@ -19,6 +20,7 @@ control (the baseline built as the candidate).
     python benchmarks/few_row_ab.py --dtype float32 --quantization int8 --against python-runner
     python benchmarks/few_row_ab.py --quantization w4a8 --against host-argmax --num-prompts 16 --rounds 8
     python benchmarks/few_row_ab.py --dtype float32 --against float32-weights --method ngram
+    python benchmarks/few_row_ab.py --dtype float32 --quantization int4 --against int4-avx2 [--model DIR]
 
 Greedy, the first --num-prompts HumanEval prompts one at a time, --max-tokens each (EOS ignored), the
 two engines taking turns prompt by prompt (which goes first alternates by round); prints each round's
@@ -39,26 +41,28 @@ from torch import nn
 
 from specdecode import LLM, SamplingParams
 from specdecode.bench.prompts import load_prompts
-from specdecode.kernels import gemv_bf16w_cpu
+from specdecode.kernels import gemv_bf16w_cpu, gemv_int4_cpu
 from specdecode.models.inference import detach_few_row_kernels
 from specdecode.models.native_stack import serve_by_modules
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="a checkpoint directory (default: the shipped model)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--quantization", default=None)
     parser.add_argument("--method", default="none",
                         help="none, ngram (k=8), or a shipped drafter: draft_model, eagle3, mtp (k=4)")
     parser.add_argument("--compile", action="store_true", help="both engines compiled (--against pytorch)")
     parser.add_argument("--against", choices=("pytorch", "eager", "modules", "python-draft", "python-runner",
-                                              "host-argmax", "float32-weights", "same"),
+                                              "host-argmax", "float32-weights", "int4-avx2", "same"),
                         default="pytorch",
                         help="the baseline: PyTorch's kernels in place of the few-row ones, eager forwards, the "
                              "Python modules in place of the C++ layer stack, the proposer's Python drafting step in "
                              "place of the C++ one, the runners' Python around the stack, greedy argmaxes taken "
                              "after the forward, float32 weights in place of a bf16 checkpoint's bf16 ones (float32 "
-                             "activations), or the candidate itself (an A / A control)")
+                             "activations), the int4 kernel's AVX2 layout in place of its lane one, or the "
+                             "candidate itself (an A / A control)")
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
@@ -69,11 +73,11 @@ def main() -> None:
     compiled = {"candidate": args.compile or args.against == "eager", "baseline": args.compile and args.against != "eager"}
     engines = {}
     for name in ("candidate", "baseline"):
-        float32_weights = name == "baseline" and args.against == "float32-weights"
-        with mock.patch.object(gemv_bf16w_cpu, "available", return_value=False) if float32_weights else \
-                contextlib.nullcontext():
-            engines[name] = LLM(dtype=args.dtype, quantization=args.quantization, compile=compiled[name],
-                                speculative_config=spec)
+        baseline = {"float32-weights": mock.patch.object(gemv_bf16w_cpu, "available", return_value=False),
+                    "int4-avx2": mock.patch.object(gemv_int4_cpu, "packer", return_value=gemv_int4_cpu.pack)}
+        with baseline.get(args.against, contextlib.nullcontext()) if name == "baseline" else contextlib.nullcontext():
+            engines[name] = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization,
+                                compile=compiled[name], speculative_config=spec)
     if args.against == "pytorch":
         detach_few_row_kernels(engines["baseline"].model)
     elif args.against == "modules":
