@@ -170,8 +170,24 @@ void gemm_rows(const float* x, int64_t M, const uint8_t* packed, const float* sc
 // for bit, at half its time or less (BENCHMARKS.md "forty-fourth pass").
 constexpr bool kLaneKernel = true;
 
+template <int n>
+inline void zero_all(__m512 (&v)[n]) {
+#pragma GCC unroll 24
+  for (int i = 0; i < n; ++i) v[i] = _mm512_setzero_ps();
+}
+
+// A tile's R rows x n / R vectors of 16 sums (row-major), plus the bias, as outputs n0 .. of y.
+template <int R, int n, typename out_t>
+inline void store_tile(const __m512 (&total)[n], int64_t n0, int64_t N, const float* bias, out_t* y) {
+  alignas(64) float sums[n * 16];
+#pragma GCC unroll 24
+  for (int i = 0; i < n; ++i) _mm512_store_ps(sums + i * 16, total[i]);
+  store_rows(sums, R, n / R * 16, n0, N, bias, y);
+}
+
 inline __m512 load_bf16(const at::BFloat16* p) {  // 16 bf16 values as fp32 (exact: a 16-bit shift)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
 // Tiles: R rows x NV vectors of 16 outputs, vectors V0 .. V0 + NV - 1 of a layout group (first output n0).
@@ -182,12 +198,10 @@ inline void lane_tile(const float* x, const float* xsum, const int32_t* w, int64
   const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const int64_t groups = K / group, pairs_per_group = group / 2;
   __m512 total[R * NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < R * NV; ++i) total[i] = _mm512_setzero_ps();
+  zero_all(total);
   for (int64_t kg = 0; kg < groups; ++kg) {
     __m512 acc[R * NV];
-#pragma GCC unroll 16
-    for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
+    zero_all(acc);
     for (int64_t p = kg * pairs_per_group; p < (kg + 1) * pairs_per_group; ++p) {
       if (ahead.first != nullptr) ahead.at(p);
       const __m512i line = _mm512_loadu_si512(w + p * 16);
@@ -217,13 +231,11 @@ inline void lane_tile(const float* x, const float* xsum, const int32_t* w, int64
       const __m512 xs = _mm512_set1_ps(xsum[r * groups + kg]);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j)
-        total[r * NV + j] = _mm512_fmadd_ps(xs, offset[j], _mm512_fmadd_ps(acc[r * NV + j], scale[j], total[r * NV + j]));
+        total[r * NV + j] =
+            _mm512_fmadd_ps(xs, offset[j], _mm512_fmadd_ps(acc[r * NV + j], scale[j], total[r * NV + j]));
     }
   }
-  alignas(64) float sums[R * NV * 16];
-#pragma GCC unroll 16
-  for (int i = 0; i < R * NV; ++i) _mm512_store_ps(sums + i * 16, total[i]);
-  store_rows(sums, R, NV * 16, n0, N, bias, y);
+  store_tile<R>(total, n0, N, bias, y);
 }
 
 // Vectors of 16 outputs per tile of R rows: all four up to 2 rows, else two (accumulators and totals of
@@ -238,7 +250,8 @@ inline void lane_group_rows(const float* x, const float* xsum, const int32_t* wg
   constexpr int NV = lane_vectors(R);
   lane_tile<R, NV, 0>(x, xsum, wgroup, K, group, sz, g * kGroup, N, bias, y, ahead(pass++));
   if constexpr (NV == 2) {
-    if (g * kGroup + 32 < N) lane_tile<R, NV, 2>(x, xsum, wgroup, K, group, sz, g * kGroup + 32, N, bias, y, ahead(pass++));
+    if (g * kGroup + 32 < N)
+      lane_tile<R, NV, 2>(x, xsum, wgroup, K, group, sz, g * kGroup + 32, N, bias, y, ahead(pass++));
   }
 }
 
@@ -308,12 +321,10 @@ inline void pair_tile(const at::BFloat16* x, const float* xsum, const uint8_t* w
   const __m512i high = _mm512_set1_epi64(static_cast<int64_t>(0x4300430043004300ULL));
   const int64_t groups = K / group, pairs_per_group = group / 2;
   __m512 total[R * NV];
-#pragma GCC unroll 16
-  for (int i = 0; i < R * NV; ++i) total[i] = _mm512_setzero_ps();
+  zero_all(total);
   for (int64_t kg = 0; kg < groups; ++kg) {
     __m512 acc[R * NV];
-#pragma GCC unroll 16
-    for (int i = 0; i < R * NV; ++i) acc[i] = _mm512_setzero_ps();
+    zero_all(acc);
     for (int64_t p = kg * pairs_per_group; p < (kg + 1) * pairs_per_group; ++p) {
       const __m512i line = _mm512_loadu_si512(w + p * 64);
       __m512bh wv[NV];
@@ -344,10 +355,7 @@ inline void pair_tile(const at::BFloat16* x, const float* xsum, const uint8_t* w
       }
     }
   }
-  alignas(64) float sums[R * NV * 16];
-#pragma GCC unroll 16
-  for (int i = 0; i < R * NV; ++i) _mm512_store_ps(sums + i * 16, total[i]);
-  store_rows(sums, R, NV * 16, n0, N, bias, y);
+  store_tile<R>(total, n0, N, bias, y);
 }
 
 template <int R>
