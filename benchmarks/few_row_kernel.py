@@ -2,7 +2,8 @@
 packed matmul, int8 (kernels/gemv_int8_cpu.cpp) against `torch._weight_int8pack_mm`, int4
 (kernels/gemv_int4_cpu.cpp, its bf16 pair layout where the CPU has one, else its lane layout on AVX-512)
 against `torch._weight_int4pack_mm_for_cpu`, int4f: int4 weights with float32 activations (the same
-kernel, its lane layout on AVX-512, and its AVX2 form) against the dense dequantised float32 matmul, W8A8 (kernels/gemm_a8_cpu.cpp, int8 activations) against
+kernel, its lane layout on AVX-512, and its AVX2 form) against the dense dequantised float32 matmul,
+W8A8 (kernels/gemm_a8_cpu.cpp, int8 activations) against
 the packed bf16 matmul and the int8 weight-only few-row kernel, W4A8 against the bf16 one and the
 int4 weight-only few-row kernel (its bf16 pair layout), bf16 weights with float32 activations
 (kernels/gemv_bf16w_cpu.cpp; its AVX-512 form and its AVX2 form, which AVX2-only CPUs run) against

@@ -26,7 +26,8 @@ GROUP = 64  # output channels per group of the layout
 def _extension():
     """The built module (`build.few_row_ops`), or None where it is not available here; loading it
     registers the ops `torch.ops.specdecode_int8.*`."""
-    return build.few_row_ops("gemv_int8_kernels", SOURCE, "specdecode_int8", ('gemm_int8', 'gemm_int8_avx2', 'int8_linear'), "PyTorch's int8 kernel serves instead")
+    return build.few_row_ops("gemv_int8_kernels", SOURCE, "specdecode_int8",
+                             ("gemm_int8", "gemm_int8_avx2", "int8_linear"), "PyTorch's int8 kernel serves instead")
 
 
 def fits(in_features: int, device) -> bool:
