@@ -153,7 +153,7 @@ void gemm_rows_avx2(const float* x, int64_t M, const int8_t* wgrouped, int64_t N
 #if defined(__AVX512F__)
 // The AVX-512 form: a group's whole line of 64 outputs (4 zmm of 16) for up to 6 rows at once (24
 // accumulators, the line's 4 widened vectors and a broadcast in 32 registers), so each group's weights are
-// widened once per 6 rows where the AVX2 form widens them once per tile of 8-16 outputs; FMAs of 16 lanes.
+// widened once per 6 rows where the AVX2 form widens them once per tile of 16-64 outputs; FMAs of 16 lanes.
 // Each output's sum is the AVX2 form's FMA chain, then the same scaling: the same results, bit for bit.
 constexpr int kWideRows = 6;
 
