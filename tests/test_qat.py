@@ -94,9 +94,10 @@ def test_matched_qat_training_resumes_serves_and_equals_the_quantised_target(nat
         proposer = llm.speculator.proposer
         drafter = next(getattr(proposer, name) for name in ("drafter", "model") if hasattr(proposer, name))
         own = [m for m in drafter.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
-        # Unset: served at its QAT scheme; "none": the activation dtype (DFlash's head is the target's).
+        # Unset: served at its QAT scheme (beside these float32 activations, where the w4a8 kernels are, its
+        # int4 weights at w4a8); "none": the activation dtype (DFlash's head is the target's).
         assert (len(own) > 0) == (draft_quantization is None)
-        assert all(m.scheme == INT4 for m in own)
+        assert all(m.scheme == (QuantScheme.parse("w4a8") if gemm_a8_cpu.available("cpu") else INT4) for m in own)
 
 
 def test_init_from_refuses_a_drafter_of_another_shape(native_model, work_dir, tmp_path):
@@ -189,7 +190,9 @@ def test_shipped_matched_drafters_are_picked_for_int4_and_lossless(method, caplo
     provenance = json.loads((models_dir() / name / "config.json").read_text())["specdecode"]
     assert (provenance["target_quantization"], provenance["qat"]) == ("int4-g32", "int4-g32")
     own = [m for m in llm.speculator.proposer.drafter.modules() if isinstance(m, QuantizedLinear)]
-    assert own and all(m.scheme == INT4 for m in own)  # served at its QAT scheme
+    # Served at its QAT scheme, or beside float32 activations its int4 weights at w4a8 where the kernels are.
+    float32_a8 = llm.dtype == torch.float32 and gemm_a8_cpu.available("cpu")
+    assert own and all(m.scheme == (QuantScheme.parse("w4a8") if float32_a8 else INT4) for m in own)
     outputs = llm.generate(prompts, params)
     assert [o.token_ids for o in outputs] == [o.token_ids for o in plain]
     accepted = sum(o.metrics.num_accepted_tokens for o in outputs) / sum(o.metrics.num_draft_tokens for o in outputs)
@@ -225,7 +228,8 @@ def test_a_full_precision_target_drafts_with_w4a8_drafters_where_the_kernels_are
                                                                                         method):
     """Beside a full-precision bf16 or float32 target the drafter's own layers default to w4a8 (int8
     activations: faster drafting here); "none" keeps them in the activation dtype, a quantised target
-    lends them its scheme, and the outputs are plain decoding's either way."""
+    lends them its scheme (an int4 one beside float32 activations as w4a8: the same int4 weights), and
+    the outputs are plain decoding's either way."""
     if not gemm_a8_cpu.available("cpu"):
         pytest.skip("the w4a8 kernels need AVX-512 VNNI")
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -238,7 +242,9 @@ def test_a_full_precision_target_drafts_with_w4a8_drafters_where_the_kernels_are
 
     for dtype, quantization, draft_quantization, schemes in (
             ("bfloat16", None, None, {"w4a8"}), ("bfloat16", None, "none", set()),
-            ("float32", None, None, {"w4a8"}), ("float32", None, "none", set()), ("float32", "int8", None, {"int8"})):
+            ("float32", None, None, {"w4a8"}), ("float32", None, "none", set()), ("float32", "int8", None, {"int8"}),
+            ("float32", "int4", None, {"w4a8"}), ("float32", "int4", "int4", {"int4-g32"}),
+            ("bfloat16", "int4", None, {"int4-g32"})):
         spec = {"method": method, "model": str(lean_drafters[method]), "num_speculative_tokens": 3}
         if draft_quantization:
             spec["draft_quantization"] = draft_quantization

@@ -101,7 +101,7 @@ class LLM:
     target and its drafter, quantised at load time and cached on disk; None = dtype weights. With
     the default model, a drafter shipped matched to that scheme is picked when there is one
     (speculative_config.draft_quantization sets the drafter's own precision, w4a8 by default
-    beside a bf16 or float32 target on an AVX-512 VNNI CPU; README
+    beside a bf16 or float32 target, and beside a float32 int4 one, on an AVX-512 VNNI CPU; README
     "Quantised targets: matched drafters").
     compile: torch.compile the target's forward (a draft model's, an EAGLE/MTP drafter's step): faster steps after a
     one-time compilation of a few graphs (tens of seconds on a CPU; logged, and cached by PyTorch).
