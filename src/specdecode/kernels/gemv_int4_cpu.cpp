@@ -238,21 +238,21 @@ inline void lane_tile(const float* x, const float* xsum, const int32_t* w, int64
   store_tile<R>(total, n0, N, bias, y);
 }
 
-// Vectors of 16 outputs per tile of R rows: all four up to 2 rows, else two (accumulators and totals of
-// 4 rows x 2 vectors, an input's 4 broadcasts, the line, the table and the weights: about 24 of the 32 zmm).
-constexpr int lane_vectors(int64_t R) { return R <= 2 ? 4 : 2; }
+// Rows per tile, and vectors of 16 outputs per tile of R rows: all four up to 4 rows, else two (8 rows x 2
+// vectors: 16 accumulators, 16 totals). Against tiles of at most 4 rows (two vectors past 2 rows) on a
+// 2-core Ice Lake Xeon: 0.87x the time at 5 rows, 0.92-0.94x at 3-4, 0.97-0.99x at 1-2 and 8-16
+// (BENCHMARKS.md "forty-fifth pass"). Each output's FMA chain is the same whatever its tile.
+constexpr int kLaneTileRows = 8;
+constexpr int lane_vectors(int64_t R) { return R <= 4 ? 4 : 2; }
 
-// Every output of layout group g for R rows, tile by tile; `ahead(pass)` what the pass prefetches.
-template <int R, typename out_t, typename Ahead>
-inline void lane_group_rows(const float* x, const float* xsum, const int32_t* wgroup, int64_t K, int64_t group,
+// Tiles of R rows from vector V0 of layout group g on, NV vectors each; `ahead(pass)` what a pass prefetches.
+template <int R, int NV, int V0, typename out_t, typename Ahead>
+inline void lane_tiles_from(const float* x, const float* xsum, const int32_t* wgroup, int64_t K, int64_t group,
                             const at::BFloat16* sz, int64_t g, int64_t N, const float* bias, out_t* y, int64_t& pass,
                             const Ahead& ahead) {
-  constexpr int NV = lane_vectors(R);
-  lane_tile<R, NV, 0>(x, xsum, wgroup, K, group, sz, g * kGroup, N, bias, y, ahead(pass++));
-  if constexpr (NV == 2) {
-    if (g * kGroup + 32 < N)
-      lane_tile<R, NV, 2>(x, xsum, wgroup, K, group, sz, g * kGroup + 32, N, bias, y, ahead(pass++));
-  }
+  if (g * kGroup + V0 * 16 >= N) return;
+  lane_tile<R, NV, V0>(x, xsum, wgroup, K, group, sz, g * kGroup + V0 * 16, N, bias, y, ahead(pass++));
+  if constexpr (V0 + NV < 4) lane_tiles_from<R, NV, V0 + NV>(x, xsum, wgroup, K, group, sz, g, N, bias, y, pass, ahead);
 }
 
 template <typename out_t>
@@ -260,7 +260,7 @@ void lane_gemm_rows(const float* x, int64_t M, const int32_t* packed, const at::
                     int64_t K, int64_t group, const float* bias, out_t* y) {
   const int64_t groups = K / group, layout_groups = (N + kGroup - 1) / kGroup, group_words = K * 8;
   int64_t passes = 0;  // tiles over a layout group's weights
-  for (int64_t m = 0; m < M; m += kMaxTileRows) passes += 4 / lane_vectors(std::min<int64_t>(M - m, kMaxTileRows));
+  for (int64_t m = 0; m < M; m += kLaneTileRows) passes += 4 / lane_vectors(std::min<int64_t>(M - m, kLaneTileRows));
   const std::vector<float> xsum = group_sums(x, M, K, group);
   at::parallel_for(0, layout_groups, 1, [&](int64_t begin, int64_t end) {
     const int32_t* range_end = packed + end * group_words;
@@ -274,12 +274,12 @@ void lane_gemm_rows(const float* x, int64_t M, const int32_t* packed, const at::
                            : lines_ahead::share(next, group_words * 4, passes, K / 2, pass);
       };
       int64_t pass = 0;
-      for (int64_t m = 0; m < M; m += kMaxTileRows) {
+      for (int64_t m = 0; m < M; m += kLaneTileRows) {
         const float* xm = x + m * K;
         const float* sm = xsum.data() + m * groups;
         out_t* ym = y + m * N;
-        with_rows<kMaxTileRows>(M - m, [&](auto R) {
-          lane_group_rows<R()>(xm, sm, wgroup, K, group, sz, g, N, bias, ym, pass, ahead);
+        with_rows<kLaneTileRows>(M - m, [&](auto R) {
+          lane_tiles_from<R(), lane_vectors(R()), 0>(xm, sm, wgroup, K, group, sz, g, N, bias, ym, pass, ahead);
         });
       }
     }
