@@ -269,6 +269,25 @@ def test_the_vllm_peer_runs_the_same_drafters_and_k(native_model, trained_drafte
         run_vllm(native_model, configs, [[1, 2, 3]], 4, lambda m: None, torch.bfloat16)
 
 
+def test_our_plain_engine_is_timed_again_after_the_peers(native_model, prompt_file, tmp_path, monkeypatch):
+    import specdecode.bench.peers as peers
+
+    row = {"method": "llama.cpp F16 (llama-bench tg4 @ d5)", "tokens": 4, "wall_seconds": 0.01, "outputs": None,
+           "timing": "decode"}
+    monkeypatch.setattr(peers, "run_llama_cpp_native", lambda *args: [row])
+    cfg = dict(model=str(native_model), prompts=str(prompt_file), num_prompts=2, max_tokens=4, dtype="float32")
+    result = run_bench(BenchConfig(methods=parse_methods("none"), peers=["llama.cpp-bin"], out_dir=tmp_path, **cfg))
+    assert [r["method"] for r in result["runs"]] == ["none", row["method"], "none (after peers)"]
+    after = result["runs"][2]
+    assert after["outputs_equal_to_plain"] == "2/2" and after["decode_tokens_per_second"] > 0
+    lo, hi = after["speedup_interval"]
+    assert lo <= hi and after["speedup"] > 0
+    # No peer row, nothing to bracket: no second timing.
+    monkeypatch.setattr(peers, "run_llama_cpp_native", lambda *args: (_ for _ in ()).throw(RuntimeError("no bin")))
+    result = run_bench(BenchConfig(methods=parse_methods("none"), peers=["llama.cpp-bin"], out_dir=tmp_path, **cfg))
+    assert [r["method"] for r in result["runs"]] == ["none"] and "llama.cpp-bin" in result["peer_errors"]
+
+
 def test_a_peers_error_names_this_machines_paths_by_their_variables(tmp_path, monkeypatch):
     from specdecode.bench.harness import portable
 

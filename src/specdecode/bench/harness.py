@@ -129,17 +129,11 @@ def run_bench(cfg: BenchConfig) -> dict:
             prefill_baselines = {}  # exact mode -> round seconds of its plain engine's prompt processing
             baselines = {}  # exact mode -> (record, outputs, round seconds) of its plain engine
             for i, ((exact, method), llm, m) in enumerate(zip(engines, llms, measured)):
-                num_tokens = sum(len(o.token_ids) for o in m.outputs)  # one pass
+                record = _measured_record(method.label, method.config, exact, m, cfg.repeats, temperature,
+                                         concurrency, len(prompts))
                 wall = sum(m.round_seconds) / cfg.repeats  # mean seconds per pass
-                record = {"method": method.label, "config": method.config, "exact": exact,
-                          **_timed(temperature, concurrency, len(prompts), num_tokens, wall),
-                          "round_seconds": [round(w, 4) for w in m.round_seconds]}
                 if i in prefill:
                     record.update(_prefill_fields(prefill[i].round_seconds, prompt_ids, prefill_baselines, exact))
-                if concurrency == 1:  # one request at a time: its decode time is a part of the wall time
-                    decode_tokens = num_tokens - sum(1 for o in m.outputs if o.token_ids)
-                    decode_wall = sum(m.decode_seconds) / cfg.repeats
-                    record["decode_tokens_per_second"] = round(decode_tokens / decode_wall, 2) if decode_wall else None
                 baseline = baselines.get(exact)
                 if baseline is None:
                     baselines[exact] = baseline = (record, m.outputs, m.round_seconds)
@@ -171,7 +165,9 @@ def run_bench(cfg: BenchConfig) -> dict:
             del llms, measured  # free every engine's KV cache before the next concurrency level
             # Peers run at batch 1 (their speculative generation is batch-1 only), greedy.
             if cfg.peers and concurrency == 1 and temperature == 0 and baseline is not None:
-                runs += _peer_runs(cfg, llm, prompts, temperature, baseline, peer_errors)
+                peer_rows = _peer_runs(cfg, llm, prompts, temperature, baseline, peer_errors)
+                if peer_rows:
+                    runs += peer_rows + [_plain_after_peers(cfg, llm, prompts, params, temperature, baseline)]
     bar.close()
     result = {"machine": info, "model": str(cfg.model or "default"), "prompts": cfg.prompts,
               "num_prompts": len(prompts), "max_tokens": cfg.max_tokens, "runs": runs}
@@ -185,6 +181,36 @@ def _timed(temperature: float, concurrency: int, num_prompts: int, tokens: int, 
     """The fields every record has, specdecode's methods and peers alike, in the order results.json shows them."""
     return {"temperature": temperature, "concurrency": concurrency, "num_prompts": num_prompts, "output_tokens": tokens,
             "wall_seconds": round(wall, 4), "tokens_per_second": round(tokens / wall, 2)}
+
+
+def _measured_record(label: str, config: dict | None, exact: bool, m: Measured, repeats: int, temperature: float,
+                     concurrency: int, num_prompts: int) -> dict:
+    """An engine's timing over `repeats` passes; at batch 1 also its decode rate (first tokens left out)."""
+    num_tokens = sum(len(o.token_ids) for o in m.outputs)  # one pass
+    wall = sum(m.round_seconds) / repeats  # mean seconds per pass
+    record = {"method": label, "config": config, "exact": exact,
+              **_timed(temperature, concurrency, num_prompts, num_tokens, wall),
+              "round_seconds": [round(w, 4) for w in m.round_seconds]}
+    if concurrency == 1:  # one request at a time: its decode time is a part of the wall time
+        decode_tokens = num_tokens - sum(1 for o in m.outputs if o.token_ids)
+        decode_wall = sum(m.decode_seconds) / repeats
+        record["decode_tokens_per_second"] = round(decode_tokens / decode_wall, 2) if decode_wall else None
+    return record
+
+
+def _plain_after_peers(cfg: BenchConfig, llm: LLM, prompts: list[str], params: list[SamplingParams],
+                       temperature: float, baseline) -> dict:
+    """Our plain engine (`llm`) timed again once the peers have run, against its own first timing: the
+    peers ran between the two, so a ratio far from 1.0 says the machine's speed moved meanwhile and the
+    peers' ratios compare different phases of the run."""
+    m = measure_interleaved([llm], prompts, params, cfg.repeats, 1, warm=False)[0]
+    record = _measured_record("none (after peers)", None, baseline[0]["exact"], m, cfg.repeats, temperature, 1,
+                              len(prompts))
+    lo, hi = speedup_interval(baseline[2], m.round_seconds)
+    record.update({"speedup": round(record["tokens_per_second"] / baseline[0]["tokens_per_second"], 3),
+                   "speedup_interval": [round(lo, 3), round(hi, 3)],
+                   "outputs_equal_to_plain": _equal_to_plain([o.token_ids for o in m.outputs], baseline[1])})
+    return record
 
 
 def _prefill_fields(round_seconds: list[float], prompt_ids: list[list[int]], baselines: dict, exact: bool) -> dict:
