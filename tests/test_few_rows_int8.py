@@ -159,7 +159,8 @@ def test_the_width_is_measured_once_per_shape_and_cached(tmp_path, monkeypatch):
 
 def test_a_tie_does_not_end_the_kernels_widths(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDECODE_CACHE", str(tmp_path))
-    verdicts = {32: [True, None, True, False, True], 64: [True, False, True, True, True]}  # None: a tie
+    verdicts = {32: [True, None, True, False, True, True, True],  # None: a tie
+                64: [True, False, True, True, True, True, True]}
     monkeypatch.setattr(kernel_probe, "faster_by_width", lambda c, b, in_features, dtype, widths: verdicts[in_features])
     model = torch.nn.Sequential(_layer(64, 32), _layer(32, 64))
     for m in model:
