@@ -172,8 +172,8 @@ def swap_linears(module: nn.Module, layer_class: type[PackedLinear | Bf16WeightL
 # Zen 4: 0.68 / 1.34 / 1.88 / 3.89 / 7.29 ms at 1 / 2 / 4 / 8 / 16 rows against 1.07 / 1.63 / 2.33 /
 # 4.19 / 8.21). The int kernels are probed to 64 rows (batches of verifications): on a 2-core Ice Lake Xeon
 # with float32 activations, past 16 rows the layers took the dense float32 copy, 16.5-18.1 ms for the 25
-# layers at 16-32 rows where the int4 kernel took 3.8-6.9 (64 rows: 13.5 against 15.9) and the int8 one
-# 3.5-6.5 (BENCHMARKS.md "forty-fifth pass").
+# layers at 16-32 rows where the int4 kernel took 3.8-6.9 (64 rows: level or faster) and the int8 one
+# 3.5-6.5 (BENCHMARKS.md "forty-fifth pass"); the probe keeps whichever wins at each width.
 FEW_ROWS_PROBE = {"bf16": (1, 2, 4, 8, 16), "int8": (1, 2, 4, 8, 16, 32, 64), "int4": (1, 2, 4, 8, 16, 32, 64)}
 
 
