@@ -183,7 +183,7 @@ def test_wide_kernels_follow_the_cached_choice_and_can_be_turned_off(native_mode
     cache = json.loads(kernel_probe.cache_path().read_text())
     layers = [m for m in llm.model.modules() if isinstance(m, QuantizedLinear) and not m.is_view]
     shapes = {wide_kernels.choice_key(m, torch.bfloat16) for m in layers}
-    assert shapes <= set(cache) and all(v is None or v in wide_kernels.PROBE_ROWS for v in cache.values())
+    assert shapes <= set(cache) and all(cache[key] is None or cache[key] in wide_kernels.PROBE_ROWS for key in shapes)
     # A cached choice is what every later start runs (no timing involved).
     forced = {key: (2 if i % 2 == 0 else None) for i, key in enumerate(sorted(shapes))}
     kernel_probe.cache_path().write_text(json.dumps(forced))
