@@ -105,6 +105,7 @@ def test_the_widened_lean_path_equals_the_modules_bit_for_bit(narrow_llm, monkey
     model.lean_rows = 0
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_chain_for", lambda *args: None)
         theirs = [runner.forward(entries) for entries in steps]
     assert all(torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden) for a, b in zip(ours, theirs))
     # The check can fail: one layer's kernel weight changed slightly changes the modules' result.
@@ -113,6 +114,7 @@ def test_the_widened_lean_path_equals_the_modules_bit_for_bit(narrow_llm, monkey
     layer.few_rows = (blocked + (blocked.float().abs() * 2 ** -6).bfloat16(), 16)
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_chain_for", lambda *args: None)
         other = runner.forward(steps[1])
     assert not torch.equal(other.logits, ours[1].logits)
 

@@ -49,13 +49,13 @@ def stack_calls(monkeypatch) -> list[int]:
         calls.append(x.shape[1] if len(cache_k) > 1 else (1, x.shape[1]))
         return forward(self, x, cos, sin, batch, cache_k, *args, **kwargs)
 
-    def counted_chain(self, chain, cache_k, cache_v, ids, *args):
-        calls.append(ids.shape[1])
-        calls.chains.append(ids.shape[1])
-        return chain_forward(self, chain, cache_k, cache_v, ids, *args)
+    def counted_chain(self, chain, cache_k, cache_v, token_ids, *args):
+        calls.append(len(token_ids))
+        calls.chains.append(len(token_ids))
+        return chain_forward(self, chain, cache_k, cache_v, token_ids, *args)
 
-    def counted_batch(self, stack, token_ids, *args):
-        out = forward_batch(self, stack, token_ids, *args)
+    def counted_batch(self, token_ids, *args):
+        out = forward_batch(self, token_ids, *args)
         if out is not None:  # else the ragged batch runs through NativeStack.forward
             calls.append(max(len(row) for row in token_ids))
             calls.batches.append([len(row) for row in token_ids])
@@ -92,6 +92,30 @@ def _steps(vocab: int) -> list[list[ForwardEntry]]:
             [ForwardEntry(1, ids(3), 22, num_logits=3), ForwardEntry(0, ids(3), 28, num_logits=3)]]
 
 
+@pytest.mark.parametrize("form", ["C++", "Python"])
+def test_a_watch_sees_a_replaced_or_deleted_attribute(form, monkeypatch):
+    # What a C++ object was built on, checked before every forward: in one C++ loop where the stack's
+    # extension is built, else by Python's lookups; both see a replaced parameter, a replaced plain
+    # attribute and a deleted one, and nothing where nothing changed.
+    if form == "Python":
+        monkeypatch.setattr(native_stack.decode_stack_cpu, "extension", lambda: None)
+    module = torch.nn.Linear(2, 2)
+    module.plain = object()
+    watch = native_stack.Watch()
+    watch.get(module, "weight")
+    watch.get(module, "plain")
+    assert watch.current()
+    for change in (lambda: setattr(module, "weight", torch.nn.Parameter(torch.zeros(2, 2))),
+                   lambda: setattr(module, "plain", object()), lambda: delattr(module, "plain")):
+        change()
+        assert not watch.current()
+        watch = native_stack.Watch()
+        watch.get(module, "weight")
+        if hasattr(module, "plain"):
+            watch.get(module, "plain")
+        assert watch.current()
+
+
 def _run(llm: LLM, steps, taps=(0, 1, 2)) -> list:
     return [llm.runner.forward(entries, hidden_taps=taps) for entries in steps]
 
@@ -118,6 +142,7 @@ def _compare(llm: LLM, stack_calls: list[int], monkeypatch) -> None:
     assert stack_calls.chains == [9, 1, 5]  # one sequence's chain: embedding to logits in one C++ call
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_chain_for", lambda *args: None)
         m.setattr(llama, "native_block_for", lambda *args: None)
         theirs = _run(llm, steps)
     assert len(stack_calls) == 10
@@ -299,6 +324,7 @@ def test_a_changed_model_is_examined_again(native_model, forced_kernels, stack_c
     assert stack_calls == [9, 1, 9, 1]  # rebuilt: int8 layers without their kernel run their dense copy
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_chain_for", lambda *args: None)
         m.setattr(llama, "native_block_for", lambda *args: None)
         _assert_bit_identical(after, _run(llm, steps))
 
@@ -370,6 +396,7 @@ def test_decoding_is_unchanged_by_the_stack(native_model, native_drafter, traine
         assert (1, 1) in stack_calls
     with monkeypatch.context() as m:
         m.setattr(llama, "native_stack_for", lambda *args: None)
+        m.setattr(llama, "native_chain_for", lambda *args: None)
         m.setattr(llama, "native_block_for", lambda *args: None)
         theirs = [o.token_ids for o in llm.generate(prompts, params)]
         theirs += [o.token_ids for o in llm.generate(prompts[:1], params)]

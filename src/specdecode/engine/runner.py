@@ -71,6 +71,10 @@ class Runner:
                 argmax: bool = False) -> ForwardResult:
         """The entries' forward; `argmax`: the caller will take the raw logits' argmax (greedy rows
         without adjustments), which a forward served in one C++ call then computes (`ForwardResult.argmax`)."""
+        argmax = argmax and self.forward_argmax
+        if len(entries) == 1:  # nothing to group (batch 1: every step's host work is a token's)
+            return self._forward(entries, hidden_taps, argmax)
+
         def merge(parts: list[ForwardResult], groups: list[list[int]]) -> ForwardResult:
             return ForwardResult(
                 logits=merge_rows([p.logits for p in parts], groups),
@@ -81,8 +85,7 @@ class Runner:
                            if all(p.tap_block is not None for p in parts) else None))
 
         return self.grouping.run(
-            entries, lambda group: self._forward([entries[i] for i in group], hidden_taps, argmax and self.forward_argmax),
-            merge)
+            entries, lambda group: self._forward([entries[i] for i in group], hidden_taps, argmax), merge)
 
     def _forward(self, entries: list[ForwardEntry], hidden_taps: tuple[int, ...], argmax: bool = False) -> ForwardResult:
         native = self.native_chain and not self.exact and self.model_forward.compiled is None

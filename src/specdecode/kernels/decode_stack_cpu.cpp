@@ -1225,13 +1225,31 @@ std::optional<torch::Tensor> tap_block(std::vector<torch::Tensor>& tapped) {
 // `num_logits` rows in float32, what Runner._forward computes for such a batch, op for op. Around the
 // stack, that Python cost ~0.3-0.4 ms a forward on a 2-core EPYC (its objects are cold after the
 // stack's weights streamed through the caches).
+// models/native_stack.py Watch.current(): whether dicts[i][keys[i]] is values[i] for every i (identity),
+// one loop over the dicts' tables instead of ~150 Python-level lookups (~60 us of cold host work a forward).
+bool watch_current(const py::list& dicts, const py::list& keys, const py::list& values) {
+  const Py_ssize_t n = PyList_GET_SIZE(dicts.ptr());
+  if (PyList_GET_SIZE(keys.ptr()) != n || PyList_GET_SIZE(values.ptr()) != n) return false;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* holder = PyList_GET_ITEM(dicts.ptr(), i);
+    if (!PyDict_Check(holder)) return false;
+    // A borrowed reference, or nullptr where the key is missing (a lookup error is cleared: not current).
+    PyObject* value = PyDict_GetItemWithError(holder, PyList_GET_ITEM(keys.ptr(), i));
+    if (value != PyList_GET_ITEM(values.ptr(), i)) {
+      PyErr_Clear();
+      return false;
+    }
+  }
+  return true;
+}
+
 class ChainForward {
  public:
   ChainForward(torch::Tensor embedding, torch::Tensor inv_freq, double attention_factor, Linear head)
       : embedding_(std::move(embedding)), inv_freq_(std::move(inv_freq)), attention_factor_(attention_factor),
         head_(std::move(head)) {}
 
-  // tokens [1, T] int64 at cache columns start .. of row `slot` -> (final-normed hidden [1, T, d], the
+  // token_ids (T) at cache columns start .. of row `slot` -> (final-normed hidden [1, T, d], the
   // states of `taps`, logits [1, num_logits, V] float32 of the last num_logits tokens, with `argmax`
   // each logits row's argmax as torch.argmax picks it, else nothing: computed while the logits are in
   // the caches, where after the call a greedy step's argmax cost ~19 us (one row) to ~45 us (four rows) of
@@ -1239,9 +1257,11 @@ class ChainForward {
   std::tuple<torch::Tensor, std::vector<torch::Tensor>, torch::Tensor, std::vector<int64_t>,
              std::optional<torch::Tensor>>
   forward(
-      Stack& stack, const torch::Tensor& tokens, int64_t slot, int64_t start, int64_t num_logits,
+      Stack& stack, const std::vector<int64_t>& token_ids, int64_t slot, int64_t start, int64_t num_logits,
       const std::vector<int64_t>& taps, bool argmax) {
-    const int64_t T = tokens.size(1);
+    const int64_t T = static_cast<int64_t>(token_ids.size());
+    // The ids as a [1, T] view of the list's copy (a Python-side torch.tensor was ~30-50 us of cold host work).
+    const auto tokens = torch::from_blob(const_cast<int64_t*>(token_ids.data()), {1, T}, torch::kLong);
     const auto x = embed(embedding_, tokens);  // [1, T, d]
     const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, x.scalar_type());
     auto [hidden, tapped] = stack.forward(x, rope.cos, rope.sin, slot, slot + 1, start, start + T, rope.mask, taps,
@@ -1704,6 +1724,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("step", &DraftStep::step)
       .def("batch", &DraftStep::batch)
       .def("chain", &DraftStep::chain);
+  m.def("watch_current", &watch_current);
   py::class_<ChainForward>(m, "ChainForward")
       .def(py::init<torch::Tensor, torch::Tensor, double, Linear>())
       .def("forward", &ChainForward::forward)

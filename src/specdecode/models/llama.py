@@ -29,8 +29,8 @@ from specdecode.models.layers import (KV_SCALE_BYTES, MLP, AttentionBatch, RMSNo
                                       write_kv)
 from specdecode.models.mla import MLAAttention
 from specdecode.models.moe import MoE
-from specdecode.models.native_stack import (ServedTypes, batch_served, native_block_for, native_chain_for,
-                                            native_stack_for)
+from specdecode.models.native_stack import (NativeChain, ServedTypes, batch_served, native_block_for,
+                                            native_chain_for, native_stack_for)
 
 
 class KVCache:
@@ -74,6 +74,7 @@ class KVCache:
         self.index_k = [columns(config.index_head_dim) if config.indexer_runs(i) else None for i in layer_ids]
         self.num_slots = num_slots
         self.max_len = max_len
+        self.device = torch.device(device)
 
     @property
     def scratch_index(self) -> int:
@@ -422,9 +423,9 @@ class LlamaForCausalLM(nn.Module):
         (final-normed hidden [1, T, d], taps, logits [1, num_logits, V] float32, with `argmax` the logits
         rows' argmaxes as a list, else None) bit-identical to `forward` + `compute_logits` of the last
         num_logits tokens; None where that is not served."""
-        native = self._native_chain(kv_cache)
-        return None if native is None else native[1].forward(native[0], token_ids, slot, start, num_logits, kv_cache,
-                                                             hidden_taps, argmax)
+        chain = self._native_chain(kv_cache)
+        return None if chain is None else chain.forward(token_ids, slot, start, num_logits, kv_cache, hidden_taps,
+                                                        argmax)
 
     def forward_chains(self, token_ids: list[list[int]], slots: list[int], starts: list[int], num_logits: list[int],
                        kv_cache: KVCache, hidden_taps: tuple[int, ...] = (), argmax: bool = False) -> tuple | None:
@@ -433,17 +434,15 @@ class LlamaForCausalLM(nn.Module):
         (NativeChain.forward_batch): `forward_chain`'s tuple for the batch (hidden [B, W, d], taps, logits
         [B, N, V] float32, padded with copies of a sequence's last row; each sequence's argmaxes or None),
         each sequence's rows bit-identical to its own `forward_chain`; None where that is not served."""
-        native = self._native_chain(kv_cache)
-        return None if native is None else native[1].forward_batch(native[0], token_ids, slots, starts, num_logits,
-                                                                    kv_cache, hidden_taps, argmax)
+        chain = self._native_chain(kv_cache)
+        return None if chain is None else chain.forward_batch(token_ids, slots, starts, num_logits, kv_cache,
+                                                              hidden_taps, argmax)
 
-    def _native_chain(self, kv_cache: KVCache) -> tuple | None:
-        """(the C++ stack, the NativeChain) that serve a whole forward on this cache, or None."""
-        if kv_cache.k[0].device.type != "cpu" or torch.compiler.is_compiling():
+    def _native_chain(self, kv_cache: KVCache) -> NativeChain | None:
+        """The NativeChain (with its C++ stack) that serves a whole forward on this cache, or None."""
+        if kv_cache.device.type != "cpu" or torch.compiler.is_compiling():
             return None
-        stack = native_stack_for(self, NATIVE_TYPES)
-        chain = native_chain_for(self, NATIVE_TYPES) if stack is not None else None
-        return None if chain is None else (stack, chain)
+        return native_chain_for(self, NATIVE_TYPES)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., d] -> logits [..., vocab] in float32 (sampling needs the precision)."""

@@ -63,7 +63,18 @@ class Watch:
         self._values.append(value)
         return value
 
+    def extend(self, other: "Watch") -> None:
+        """Also watch what `other` watches (an object built on what another was decided on)."""
+        self._dicts += other._dicts
+        self._keys += other._keys
+        self._values += other._values
+
     def current(self) -> bool:
+        # Every forward asks (~150 triples for the default model's stack): the C++ loop where the stack's
+        # extension is built (nothing is served without it), ~60 us of cold host work a forward in Python.
+        extension = decode_stack_cpu.extension()
+        if extension is not None:
+            return extension.watch_current(self._dicts, self._keys, self._values)
         try:
             return all(map(operator.is_, map(operator.getitem, self._dicts, self._keys), self._values))
         except KeyError:  # the attribute moved (a plain object replaced by a module, or deleted)
@@ -201,38 +212,42 @@ class NativeChain:
         if type(rotary) is not RotaryEmbedding:
             raise NotServed(f"rotary {type(rotary).__name__}")
         head = watch.get(model, "lm_head")
+        # The model's stack, watched with the chain: one lookup and one check a forward serve both.
+        self.stack = native_stack_for(model, types)
+        if self.stack is None:
+            raise NotServed("the model's layer stack")
+        watch.extend(_STACKS[model][0])
         modules = [model, model.model, embedding, rotary, head]
         self._hooks = forward_hooks(modules)
         self._chain = extension.ChainForward(embedding.weight, watch.get(rotary, "inv_freq"),
                                              watch.get(rotary, "attention_factor"),
                                              served_linear(head, "lm_head", self.dtype, watch, types))
 
-    def forward(self, stack: NativeStack, token_ids: list[int], slot: int, start: int, num_logits: int,
-                kv_cache, hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
+    def forward(self, token_ids: list[int], slot: int, start: int, num_logits: int, kv_cache,
+                hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
         """(final-normed hidden [1, T, d], {tap: [1, T, d]}, logits [1, num_logits, V] float32, with `argmax`
         each logits row's torch.argmax as a list, else None, the taps concatenated in order [1, T, n x d]
         or None without taps: `ForwardResult.tap_block`), or None where it does not serve now (autograd,
         a forward hook)."""
-        if torch.is_grad_enabled() or any(self._hooks) or not stack.serves(self.dtype):
+        if any(self._hooks) or not self.stack.serves(self.dtype):
             return None
         taps = list(hidden_taps)
-        ids = torch.tensor([token_ids], dtype=torch.long)
-        hidden, tapped, logits, choices, block = stack.chain_forward(self._chain, kv_cache.k, kv_cache.v, ids, slot,
-                                                                     start, num_logits, taps, argmax)
+        hidden, tapped, logits, choices, block = self.stack.chain_forward(
+            self._chain, kv_cache.k, kv_cache.v, token_ids, slot, start, num_logits, taps, argmax)
         return hidden, dict(zip(taps, tapped)), logits, choices if argmax else None, block
 
-    def forward_batch(self, stack: NativeStack, token_ids: list[list[int]], slots: list[int], starts: list[int],
-                      num_logits: list[int], kv_cache, hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
+    def forward_batch(self, token_ids: list[list[int]], slots: list[int], starts: list[int], num_logits: list[int],
+                      kv_cache, hidden_taps: tuple[int, ...], argmax: bool = False) -> tuple | None:
         """B sequences' new tokens (sequence b's token_ids[b] written at columns starts[b].. of cache row
         slots[b], causal; its logits at its last num_logits[b]): `forward`'s tuple for the batch (hidden
         [B, W, d], taps, logits [B, N, V] float32 padded as Runner._forward pads them, each sequence's
         argmaxes or None), or None where the stack's lean path does not serve it (the ragged batch's
         Python path then runs)."""
-        if torch.is_grad_enabled() or any(self._hooks) or not stack.serves(self.dtype):
+        if any(self._hooks) or not self.stack.serves(self.dtype):
             return None
         taps = list(hidden_taps)
         ids = torch.tensor([[t for row in token_ids for t in row]], dtype=torch.long)
-        out = self._chain.batch(stack.bind(kv_cache.k, kv_cache.v), ids, slots, starts, [len(row) for row in token_ids],
+        out = self._chain.batch(self.stack.bind(kv_cache.k, kv_cache.v), ids, slots, starts, [len(row) for row in token_ids],
                                 num_logits, taps, argmax)
         if out is None:
             return None
