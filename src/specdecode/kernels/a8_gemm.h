@@ -13,7 +13,6 @@
 #include <optional>
 #include <vector>
 
-#include "balanced_for.h"
 #include "lines_ahead.h"
 
 namespace a8_kernels {
@@ -247,28 +246,29 @@ void gemm(const in_t* x, int64_t M, int64_t K, const uint8_t* w, const void* par
   const int64_t tiles = (lines + tile_lines_count - 1) / tile_lines_count;
   const int64_t line_bytes = F::line_bytes(K);
   const bool prefetch = M == 1 || row_tiles > 1 || F::kPrefetchOneWideTile;
-  // Each thread takes whole column tiles, as many as its core's speed gets through (balanced_for.h), and
-  // runs every row tile on them: a tile's weights are read from memory once and from L1/L2 for the row
-  // tiles after the first, which all prefetch a share of the thread's next column tile (lines_ahead.h;
-  // w8a8 calls of one wide row tile do not).
-  balanced::for_each(tiles, [&](int64_t t, int64_t next_tile) {
-    const int64_t line0 = t * tile_lines_count, next0 = next_tile * tile_lines_count;
-    const int NB = static_cast<int>(std::min<int64_t>(tile_lines_count, lines - line0));
-    const uint8_t* next = next_tile >= 0 && prefetch ? w + next0 * line_bytes : nullptr;
-    const int64_t next_bytes = next_tile >= 0 ? std::min<int64_t>(tile_lines_count, lines - next0) * line_bytes : 0;
-    for (int64_t tile = 0, m0 = 0; tile < row_tiles; ++tile) {
-      const LinesAhead ahead = lines_ahead::share(next, next_bytes, row_tiles, blocks, tile);
-      const int R = static_cast<int>(tile < large_tiles ? rows_large : rows_small);
-      const Rows rows{xq.data() + m0 * K, sx.data() + m0 * blocks, codesum.data() + m0 * blocks, K, blocks};
-      out_t* yr = y + m0 * N;
-      switch (R) {
-        case 1: tile_lines<F, 1>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
-        case 2: tile_lines<F, 2>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
-        case 3: tile_lines<F, 3>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
-        case 4: tile_lines<F, 4>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
-        default: tile_lines<F, 5>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+  // Each thread takes whole column tiles and runs every row tile on them: a tile's weights are read
+  // from memory once and from L1/L2 for the row tiles after the first, which all prefetch a share of
+  // the thread's next column tile (lines_ahead.h; w8a8 calls of one wide row tile do not).
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t line0 = t * tile_lines_count, next0 = line0 + tile_lines_count;
+      const int NB = static_cast<int>(std::min<int64_t>(tile_lines_count, lines - line0));
+      const uint8_t* next = t + 1 < end && prefetch ? w + next0 * line_bytes : nullptr;
+      const int64_t next_bytes = std::min<int64_t>(tile_lines_count, lines - next0) * line_bytes;
+      for (int64_t tile = 0, m0 = 0; tile < row_tiles; ++tile) {
+        const LinesAhead ahead = lines_ahead::share(next, next_bytes, row_tiles, blocks, tile);
+        const int R = static_cast<int>(tile < large_tiles ? rows_large : rows_small);
+        const Rows rows{xq.data() + m0 * K, sx.data() + m0 * blocks, codesum.data() + m0 * blocks, K, blocks};
+        out_t* yr = y + m0 * N;
+        switch (R) {
+          case 1: tile_lines<F, 1>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          case 2: tile_lines<F, 2>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          case 3: tile_lines<F, 3>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          case 4: tile_lines<F, 4>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+          default: tile_lines<F, 5>(NB, rows, w, params, line0, N, bias, yr, ahead); break;
+        }
+        m0 += R;
       }
-      m0 += R;
     }
   });
 }
