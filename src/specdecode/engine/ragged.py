@@ -163,8 +163,10 @@ class LengthGrouping:
     def run(self, entries: list[ForwardEntry], forward: Callable[[list[int]], Result],
             merge: Callable[[list[Result], list[list[int]]], Result] | None = None) -> Result | None:
         """forward(entry indices) per group; with several groups, merge(parts, groups) (None: no result)."""
+        if len(entries) == 1:  # nothing to group (batch 1: every step's host work is a token's)
+            return forward([0])
         lengths = [len(e.token_ids) for e in entries]
-        if self.alone_from is not None and len(entries) > 1 and max(lengths) >= self.alone_from:
+        if self.alone_from is not None and max(lengths) >= self.alone_from:
             groups = [[i] for i, n in enumerate(lengths) if n >= self.alone_from]
             rest = [i for i, n in enumerate(lengths) if n < self.alone_from]
             if rest:

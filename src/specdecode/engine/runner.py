@@ -72,8 +72,6 @@ class Runner:
         """The entries' forward; `argmax`: the caller will take the raw logits' argmax (greedy rows
         without adjustments), which a forward served in one C++ call then computes (`ForwardResult.argmax`)."""
         argmax = argmax and self.forward_argmax
-        if len(entries) == 1:  # nothing to group (batch 1: every step's host work is a token's)
-            return self._forward(entries, hidden_taps, argmax)
 
         def merge(parts: list[ForwardResult], groups: list[list[int]]) -> ForwardResult:
             return ForwardResult(
