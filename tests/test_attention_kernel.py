@@ -48,12 +48,16 @@ def test_the_op_computes_attention(dtype, D, B, KVH, group, T, S):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [32, 64, 80, 96, 128, 256])
-def test_a_tokens_rows_do_not_depend_on_the_other_tokens(dtype, D):
-    # 17 tokens (k = 16 drafts), 34 rows per KV head: all served here
-    q, keys, values, mask = _inputs(1, 4, 2, 17, 300, D, dtype)
-    out = attention_cpu.cached_attention(q, keys, values, mask, 2).view(1, 4, 2, 17, D)
+@pytest.mark.parametrize("group", [1, 2])
+def test_a_tokens_rows_do_not_depend_on_the_other_tokens(dtype, D, group):
+    """17 tokens (k = 16 drafts), 17 or 34 rows per KV head, all served here. The kernel takes a KV
+    head's rows in pairs (scores) and groups (values): a token's rows alone (one row at group 1: no
+    pair) must round as beside the others, wherever the pairs and groups fall."""
+    q, keys, values, mask = _inputs(1, 4, group, 17, 300, D, dtype)
+    out = attention_cpu.cached_attention(q, keys, values, mask, group).view(1, 4, group, 17, D)
     for t in range(17):  # token t alone, with its mask row and the same keys
-        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 17, D)[:, :, :, t], keys, values, mask[:, :, t:t + 1], 2)
+        alone = attention_cpu.cached_attention(q.view(1, 4, group, 17, D)[:, :, :, t], keys, values,
+                                               mask[:, :, t:t + 1], group)
         assert torch.equal(alone, out[:, :, :, t]), t
 
 

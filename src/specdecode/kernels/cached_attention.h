@@ -109,8 +109,12 @@ inline __m512 sum_keys16(const __m512* acc) {
 
 // The keys of block s0.. a row sees: all 16, less those hidden by its mask or past S.
 inline __mmask16 seen16(const bool* visible, int64_t s0, int64_t S) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+  if (visible != nullptr && s0 + 16 <= S)  // a whole block's 16 bools (0 or 1) at once
+    return _mm_test_epi8_mask(_mm_loadu_si128(reinterpret_cast<const __m128i*>(visible + s0)), _mm_set1_epi8(1));
+#endif
   __mmask16 seen = 0xFFFF;
-  if (visible != nullptr || s0 + 16 > S)
+  if (visible != nullptr || s0 + 16 > S)  // one by one, not past S (nor the mask's row)
     for (int j = 0; j < 16; ++j)
       if (!(s0 + j < S && (visible == nullptr || visible[s0 + j]))) seen &= static_cast<__mmask16>(~(1u << j));
   return seen;
@@ -150,6 +154,28 @@ float row_scores(const scalar_t* q, const int8_t* k, int64_t ks, const bool* vis
 }
 #endif
 
+// Scores sc of keys s0 .. s0 + 7 stored at scores + s0, -inf where a key is hidden (mask false, or past
+// S), the others exactly; returns what was stored. A whole block's 8 mask bools are read as one word
+// (building the lanes by 8 scalar stores and a vector load stalled on store forwarding: 30% of the
+// scores' time at 10 rows a KV head).
+static_assert(sizeof(bool) == 1, "the masks are read as bytes");
+inline __m256 keep_seen8(__m256 sc, const bool* visible, int64_t s0, int64_t S, float* scores) {
+  __m256i seen = _mm256_set1_epi32(-1);
+  if (s0 + 8 > S) {  // the last block: only the keys before S, read one by one (not past the mask's row)
+    alignas(32) int32_t flags[8];
+    for (int j = 0; j < 8; ++j) flags[j] = (s0 + j < S && (visible == nullptr || visible[s0 + j])) ? -1 : 0;
+    seen = _mm256_load_si256(reinterpret_cast<const __m256i*>(flags));
+  } else if (visible != nullptr) {
+    int64_t bools;  // bool is 0 or 1
+    std::memcpy(&bools, visible + s0, sizeof(bools));
+    seen = _mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bools)), _mm256_setzero_si256());
+  }
+  const __m256 kept = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc,
+                                       _mm256_castsi256_ps(seen));
+  _mm256_storeu_ps(scores + s0, kept);
+  return kept;
+}
+
 // Phase 1 for one query row against S keys of one KV head: scores[s] = q . k(s) / sqrt(D), -inf where
 // the key is hidden (mask false, or past S); returns the row's maximum. DV = D / 8 vectors per head;
 // k(s): key s (stride ks elements); visible: the row's mask (nullptr: every key); scores: [S rounded
@@ -157,11 +183,9 @@ float row_scores(const scalar_t* q, const int8_t* k, int64_t ks, const bool* vis
 template <int DV, typename scalar_t>
 float row_scores(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
                  float* scores) {
-  const float neg_inf = -std::numeric_limits<float>::infinity();
   __m256 qv[DV];
   for (int c = 0; c < DV; ++c) qv[c] = load8(q + c * 8);
-  __m256 vmax = _mm256_set1_ps(neg_inf);
-  const __m256 hide = _mm256_set1_ps(neg_inf);
+  __m256 vmax = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t s0 = 0; s0 < S; s0 += 8) {
     __m256 acc[8];
     const bool tail = s0 + 8 > S;
@@ -173,20 +197,51 @@ float row_scores(const scalar_t* q, const scalar_t* k, int64_t ks, const bool* v
       for (int c = 1; c < DV; ++c) a = _mm256_fmadd_ps(qv[c], load8(key + c * 8), a);
       acc[j] = a;
     }
-    const __m256 sc = _mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale));
-    // Hidden keys (mask false, or past S) become -inf, the others keep their score exactly.
-    __m256i seen = _mm256_set1_epi32(-1);
-    if (visible != nullptr || tail) {
-      alignas(32) int32_t flags[8];
-      for (int j = 0; j < 8; ++j) flags[j] = (s0 + j < S && (visible == nullptr || visible[s0 + j])) ? -1 : 0;
-      seen = _mm256_load_si256(reinterpret_cast<const __m256i*>(flags));
-    }
-    const __m256 kept = _mm256_blendv_ps(hide, sc, _mm256_castsi256_ps(seen));
-    _mm256_storeu_ps(scores + s0, kept);
-    vmax = _mm256_max_ps(vmax, kept);
+    vmax = _mm256_max_ps(vmax, keep_seen8(_mm256_mul_ps(sum_lanes8(acc), _mm256_set1_ps(scale)), visible, s0, S,
+                                          scores));
   }
   return max8(vmax);
 }
+
+#if defined(__AVX512F__)
+// Both 8-lane halves of a 512-bit vector: the same 8 values / lo and hi.
+inline __m512 twice8(__m256 x) { return _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(x))); }
+inline __m512 join8(__m256 lo, __m256 hi) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(lo)), _mm256_castps_pd(hi), 1));
+}
+inline __m256 high8(__m512 x) { return _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)); }
+
+// row_scores' 8-lane chain for two query rows at once, row 0 in the low 8 lanes of each vector and row
+// 1 in the high 8: a key's chunks are read once for both rows (half the loads and FMA instructions of
+// two calls). Every lane's FMA chain and each row's lane sums are row_scores', so each row's scores and
+// maximum are too, bit for bit, whatever row it is paired with.
+template <int DV, typename scalar_t>
+std::pair<float, float> pair_scores(const scalar_t* q0, const scalar_t* q1, const scalar_t* k, int64_t ks,
+                                    const bool* visible0, const bool* visible1, int64_t S, float scale,
+                                    float* scores0, float* scores1) {
+  __m512 qv[DV];
+  for (int c = 0; c < DV; ++c) qv[c] = join8(load8(q0 + c * 8), load8(q1 + c * 8));
+  __m256 vmax0 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), vmax1 = vmax0;
+  for (int64_t s0 = 0; s0 < S; s0 += 8) {
+    __m256 acc0[8], acc1[8];
+    const bool tail = s0 + 8 > S;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      const scalar_t* key = k + (tail ? std::min<int64_t>(s0 + j, S - 1) : s0 + j) * ks;  // past S: a real key, hidden
+      __m512 a = _mm512_mul_ps(qv[0], twice8(load8(key)));
+#pragma GCC unroll 32
+      for (int c = 1; c < DV; ++c) a = _mm512_fmadd_ps(qv[c], twice8(load8(key + c * 8)), a);
+      acc0[j] = _mm512_castps512_ps256(a);
+      acc1[j] = high8(a);
+    }
+    vmax0 = _mm256_max_ps(vmax0, keep_seen8(_mm256_mul_ps(sum_lanes8(acc0), _mm256_set1_ps(scale)), visible0, s0,
+                                            S, scores0));
+    vmax1 = _mm256_max_ps(vmax1, keep_seen8(_mm256_mul_ps(sum_lanes8(acc1), _mm256_set1_ps(scale)), visible1, s0,
+                                            S, scores1));
+  }
+  return {max8(vmax0), max8(vmax1)};
+}
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 
@@ -224,12 +279,9 @@ float row_scores(const at::BFloat16* q, const at::BFloat16* k, int64_t ks, const
 }
 #endif
 
-// Phases 1 and 2: scores[0, S) become exp(score - max) (exact zeros where hidden); returns their
-// sum, 0 where the row sees no key.
-template <int DV, typename scalar_t, typename cache_t>
-float row_probabilities(const scalar_t* q, const cache_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
-                        float* scores) {
-  const float m = row_scores<DV>(q, k, ks, visible, S, scale, scores);
+// Phase 2: a row's scores[0, S) of maximum m become exp(score - m) (exact zeros where hidden);
+// returns their sum, 0 where the row sees no key.
+inline float exponentiate(float* scores, int64_t S, float m) {
   if (m == -std::numeric_limits<float>::infinity()) return 0.0f;  // sees no key (never in a decode step)
   __m256 lanes = _mm256_setzero_ps();
   for (int64_t s0 = 0; s0 < S; s0 += 8) {
@@ -238,6 +290,28 @@ float row_probabilities(const scalar_t* q, const cache_t* k, int64_t ks, const b
     lanes = _mm256_add_ps(lanes, p);
   }
   return fixed_sum8(lanes);
+}
+
+// Whether a KV head's rows take their scores two at a time (pair_scores): where row_scores runs the
+// 8-lane chain (not over an int8 cache, nor bf16's vdpbf16ps one) on a CPU with AVX-512, for heads
+// up to 128 (a pair's query of 256 would fill the 32 vector registers alone).
+template <int DV, typename scalar_t, typename cache_t>
+constexpr bool paired_scores() {
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && DV % 4 == 0) return false;
+#endif
+  return std::is_same_v<scalar_t, cache_t> && DV <= 16;
+#else
+  return false;
+#endif
+}
+
+// Phases 1 and 2 for one row.
+template <int DV, typename scalar_t, typename cache_t>
+float row_probabilities(const scalar_t* q, const cache_t* k, int64_t ks, const bool* visible, int64_t S, float scale,
+                        float* scores) {
+  return exponentiate(scores, S, row_scores<DV>(q, k, ks, visible, S, scale, scores));
 }
 
 // The weight of value s in a row's sum: its probability, times the value's scale in an int8 cache.
@@ -302,6 +376,28 @@ void rows_values(const float* const* probs, const float* sums, const cache_t* v,
 }
 #endif
 
+// Phase 3 for rows r .. R - 1 (probabilities and outputs `padded` / D apart): groups of RC rows
+// (rows_values), then of RC / 2, .., then one at a time (row_values): the same numbers in any grouping.
+template <int DV, int RC, typename scalar_t, typename cache_t>
+void grouped_values(int64_t r, int64_t R, const float* probs, int64_t padded, const float* sums, const cache_t* v,
+                    int64_t vs, int64_t S, scalar_t* out) {
+#if defined(__AVX512F__)
+  if constexpr (RC > 1 && DV % 2 == 0) {
+    for (; r + RC <= R; r += RC) {
+      const float* p[RC];
+      scalar_t* o[RC];
+      for (int i = 0; i < RC; ++i) {
+        p[i] = probs + (r + i) * padded;
+        o[i] = out + (r + i) * DV * 8;
+      }
+      rows_values<DV, RC>(p, sums + r, v, vs, S, o);
+    }
+    return grouped_values<DV, RC / 2>(r, R, probs, padded, sums, v, vs, S, out);
+  }
+#endif
+  for (; r < R; ++r) row_values<DV>(probs + r * padded, sums[r], v, vs, S, out + r * DV * 8);
+}
+
 // One (sequence, KV head) task: its R query rows q [R, D] against S keys, key s at k + s * k_stride (values
 // likewise; in an int8 cache, each a record), row r under mask row r % T ([T, S] row-major; nullptr: every
 // key) -> out [R, D]. `probs` holds R x S rounded up to 16 floats, `sums` R.
@@ -310,27 +406,24 @@ void attend_head(const scalar_t* q, int64_t R, const cache_t* k, int64_t k_strid
                  int64_t v_stride, int64_t S, const bool* mask, int64_t T, float* probs, float* sums, scalar_t* out) {
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(DV * 8)));
   const int64_t padded = (S + 15) / 16 * 16;  // every row's probabilities, then their values
-  for (int64_t r = 0; r < R; ++r) {
-    const bool* visible = mask == nullptr ? nullptr : mask + (r % T) * S;
-    sums[r] = row_probabilities<DV>(q + r * DV * 8, k, k_stride, visible, S, scale, probs + r * padded);
-  }
+  auto visible = [&](int64_t r) { return mask == nullptr ? nullptr : mask + (r % T) * S; };
   int64_t r = 0;
 #if defined(__AVX512F__)
-  // Rows in groups whose accumulators fit the 32 vector registers with the values: 16 a group.
-  constexpr int RC = DV >= 32 ? 1 : 16 / (DV / 2);
-  if constexpr (DV % 2 == 0) {
-    for (; r + RC <= R; r += RC) {
-      const float* p[RC];
-      scalar_t* o[RC];
-      for (int i = 0; i < RC; ++i) {
-        p[i] = probs + (r + i) * padded;
-        o[i] = out + (r + i) * DV * 8;
-      }
-      rows_values<DV, RC>(p, sums + r, v, v_stride, S, o);
+  if constexpr (paired_scores<DV, scalar_t, cache_t>()) {
+    for (; r + 2 <= R; r += 2) {
+      float* scores = probs + r * padded;
+      const auto [m0, m1] = pair_scores<DV>(q + r * DV * 8, q + (r + 1) * DV * 8, k, k_stride, visible(r),
+                                            visible(r + 1), S, scale, scores, scores + padded);
+      sums[r] = exponentiate(scores, S, m0);
+      sums[r + 1] = exponentiate(scores + padded, S, m1);
     }
   }
 #endif
-  for (; r < R; ++r) row_values<DV>(probs + r * padded, sums[r], v, v_stride, S, out + r * DV * 8);
+  for (; r < R; ++r)
+    sums[r] = row_probabilities<DV>(q + r * DV * 8, k, k_stride, visible(r), S, scale, probs + r * padded);
+  // Values in groups of rows whose accumulators fit the 32 vector registers with the values: 16 a group.
+  constexpr int RC = DV >= 32 ? 1 : 16 / (DV / 2);
+  grouped_values<DV, RC>(0, R, probs, padded, sums, v, v_stride, S, out);
 }
 
 // One sequence's part of a batch whose sequences attend over their own cache rows and masks (the C++
