@@ -305,9 +305,14 @@ def test_quantised_layers_wide_copies_are_reproduced(native_model, forced_kernel
     _compare(llm, stack_calls, monkeypatch)
 
 
-@pytest.mark.parametrize("family,extra", [("qwen3", {}), ("qwen2", {}), ("llama", {"kv_heads": 4})])
+YARN = {"rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                            "original_max_position_embeddings": 64}}
+
+
+@pytest.mark.parametrize("family,extra", [("qwen3", {}), ("qwen2", {}), ("llama", {"kv_heads": 4}), ("llama", YARN)])
 def test_variant_blocks_are_reproduced_too(tmp_path, stack_calls, monkeypatch, family, extra):
-    # q/k norm (Qwen3), q/k/v biases (Qwen2), one KV head per query head (no GQA folding).
+    # q/k norm (Qwen3), q/k/v biases (Qwen2), one KV head per query head (no GQA folding), YaRN's
+    # RoPE (an attention factor: the C++ chain's RoPE table holds its product).
     model = make_hf_model(tmp_path / family, family, **extra)
     _compare(LLM(model, dtype="float32", max_num_seqs=2), stack_calls, monkeypatch)
 

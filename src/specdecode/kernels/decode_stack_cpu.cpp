@@ -1111,11 +1111,50 @@ std::vector<int64_t> chain_positions(const std::vector<int64_t>& starts, const s
   return positions;
 }
 
-ChainRope chain_rope(const torch::Tensor& inv_freq, double attention_factor, int64_t start, int64_t T,
-                     at::ScalarType dtype) {
-  std::vector<int64_t> positions(T);
-  std::iota(positions.begin(), positions.end(), start);
-  auto [cos, sin] = rope_tables(inv_freq, attention_factor, positions, 1, T, dtype);
+// rope_tables of positions 0 .. capacity - 1 in one dtype, computed once and grown on demand (to twice
+// the capacity, or to what is asked): a row's values depend only on its position, so a forward's rows
+// taken from it are what rope_tables computes for them, bit for bit, as a view (consecutive positions)
+// or a gather, where rope_tables' own ATen ops had cost ~10 us a forward or drafting step (W4A8 MTP
+// drafting, 2 cores: cold after the weights streamed through the caches). The weights' Watch rebuilds
+// the chain (and this table) when the rotary embedding's inv_freq is replaced.
+class RopeTable {
+ public:
+  RopeTable(torch::Tensor inv_freq, double attention_factor)
+      : inv_freq_(std::move(inv_freq)), attention_factor_(attention_factor) {}
+
+  // cos, sin [1, T, 1, D] of positions start .. start + T - 1 (views of the table)
+  std::pair<torch::Tensor, torch::Tensor> consecutive(int64_t start, int64_t T, at::ScalarType dtype) {
+    cover(start + T, dtype);
+    return {cos_.slice(0, start, start + T).unsqueeze(0), sin_.slice(0, start, start + T).unsqueeze(0)};
+  }
+
+  // cos, sin [1, R, 1, D] of positions [R]
+  std::pair<torch::Tensor, torch::Tensor> rows(const std::vector<int64_t>& positions, at::ScalarType dtype) {
+    cover(positions.empty() ? 0 : *std::max_element(positions.begin(), positions.end()) + 1, dtype);
+    const auto index = torch::from_blob(const_cast<int64_t*>(positions.data()),
+                                        {static_cast<int64_t>(positions.size())}, torch::kLong);
+    return {cos_.index_select(0, index).unsqueeze(0), sin_.index_select(0, index).unsqueeze(0)};
+  }
+
+ private:
+  void cover(int64_t end, at::ScalarType dtype) {
+    if (end <= capacity_ && dtype == dtype_) return;
+    capacity_ = std::max<int64_t>(end, dtype == dtype_ ? 2 * capacity_ : 0);
+    std::vector<int64_t> positions(capacity_);
+    std::iota(positions.begin(), positions.end(), int64_t{0});
+    auto [cos, sin] = rope_tables(inv_freq_, attention_factor_, positions, 1, capacity_, dtype);
+    cos_ = cos[0], sin_ = sin[0], dtype_ = dtype;  // [capacity, 1, D]
+  }
+
+  torch::Tensor inv_freq_;
+  double attention_factor_;
+  torch::Tensor cos_, sin_;
+  int64_t capacity_ = 0;
+  at::ScalarType dtype_ = at::ScalarType::Undefined;
+};
+
+ChainRope chain_rope(RopeTable& table, int64_t start, int64_t T, at::ScalarType dtype) {
+  auto [cos, sin] = table.consecutive(start, T, dtype);
   const int64_t S = start + T;
   OptTensor mask;  // none for one token: it sees every column
   if (T > 1) {
@@ -1246,8 +1285,7 @@ bool watch_current(const py::list& dicts, const py::list& keys, const py::list& 
 class ChainForward {
  public:
   ChainForward(torch::Tensor embedding, torch::Tensor inv_freq, double attention_factor, Linear head)
-      : embedding_(std::move(embedding)), inv_freq_(std::move(inv_freq)), attention_factor_(attention_factor),
-        head_(std::move(head)) {}
+      : embedding_(std::move(embedding)), rope_(std::move(inv_freq), attention_factor), head_(std::move(head)) {}
 
   // token_ids (T) at cache columns start .. of row `slot` -> (final-normed hidden [1, T, d], the
   // states of `taps`, logits [1, num_logits, V] float32 of the last num_logits tokens, with `argmax`
@@ -1264,7 +1302,7 @@ class ChainForward {
     // this call was 34-40 us a w4a8 forward; 10-13 without).
     const auto tokens = torch::from_blob(const_cast<int64_t*>(token_ids.data()), {1, T}, torch::kLong);
     const auto x = embed(embedding_, tokens);  // [1, T, d]
-    const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, x.scalar_type());
+    const auto rope = chain_rope(rope_, start, T, x.scalar_type());
     auto [hidden, tapped] = stack.forward(x, rope.cos, rope.sin, slot, slot + 1, start, start + T, rope.mask, taps,
                                           std::nullopt);
     // Runner._forward: the last num_logits rows (a gather: contiguous), then compute_logits (row_linear, float).
@@ -1302,8 +1340,7 @@ class ChainForward {
     const auto segments = stack.chain_segments(embedding_.scalar_type(), slots, starts, lengths);
     if (!segments.has_value()) return std::nullopt;
     const auto x = embed(embedding_, tokens);  // [1, R, d]
-    const auto [cos, sin] = rope_tables(inv_freq_, attention_factor_, chain_positions(starts, lengths), 1, rows,
-                                        x.scalar_type());
+    const auto [cos, sin] = rope_.rows(chain_positions(starts, lengths), x.scalar_type());
     auto out = stack.lean_batch(x, cos, sin, *segments, taps);
     if (!out.has_value()) return std::nullopt;
     auto& [hidden, tapped] = *out;
@@ -1326,8 +1363,8 @@ class ChainForward {
   }
 
  private:
-  torch::Tensor embedding_, inv_freq_;
-  double attention_factor_;
+  torch::Tensor embedding_;
+  RopeTable rope_;
   Linear head_;
 };
 
@@ -1369,8 +1406,7 @@ class DraftStep {
   DraftStep(torch::Tensor embedding, torch::Tensor inv_freq, double attention_factor, bool attn_input,
             OptTensor embed_norm, double embed_eps, OptTensor feature_norm, double feature_eps,
             std::optional<Linear> fc, OptTensor head_norm, double head_eps, Linear head, OptTensor head_ids)
-      : embedding_(std::move(embedding)), inv_freq_(std::move(inv_freq)), attention_factor_(attention_factor),
-        attn_input_(attn_input), embed_norm_(std::move(embed_norm)), embed_eps_(embed_eps),
+      : embedding_(std::move(embedding)), rope_(std::move(inv_freq), attention_factor), attn_input_(attn_input), embed_norm_(std::move(embed_norm)), embed_eps_(embed_eps),
         feature_norm_(std::move(feature_norm)), feature_eps_(feature_eps), fc_(std::move(fc)),
         head_norm_(std::move(head_norm)), head_eps_(head_eps), head_(std::move(head)), head_ids_(std::move(head_ids)) {}
 
@@ -1403,8 +1439,7 @@ class DraftStep {
     if (std::accumulate(lengths.begin(), lengths.end(), int64_t{0}) != R) return std::nullopt;
     const auto segments = layers.chain_segments(embedding_.scalar_type(), slots, starts, lengths);
     if (!segments.has_value()) return std::nullopt;
-    const auto [cos, sin] =
-        rope_tables(inv_freq_, attention_factor_, chain_positions(starts, lengths), 1, R, embedding_.scalar_type());
+    const auto [cos, sin] = rope_.rows(chain_positions(starts, lengths), embedding_.scalar_type());
     const auto [x, attn_input] = inputs(tokens, features);
     const auto out = layers.lean_batch(x, cos, sin, *segments, {}, attn_input);
     if (!out.has_value()) return std::nullopt;
@@ -1499,7 +1534,7 @@ class DraftStep {
   std::pair<torch::Tensor, torch::Tensor> forward(Stack& layers, const torch::Tensor& tokens, const OptTensor& features,
                                                   int64_t slot, int64_t start) {
     const int64_t T = tokens.size(1), S = start + T;
-    const auto rope = chain_rope(inv_freq_, attention_factor_, start, T, embedding_.scalar_type());
+    const auto rope = chain_rope(rope_, start, T, embedding_.scalar_type());
     const auto [x, attn_input] = inputs(tokens, features);
     const auto out = layers.forward(x, rope.cos, rope.sin, slot, slot + 1, start, S, rope.mask, {}, attn_input).first;
     return {out, head_scores(out.select(1, T - 1))};  // [1, n]
@@ -1659,8 +1694,8 @@ class DraftStep {
   }
 #endif
 
-  torch::Tensor embedding_, inv_freq_;
-  double attention_factor_;
+  torch::Tensor embedding_;
+  RopeTable rope_;
   bool attn_input_;
   OptTensor embed_norm_;
   double embed_eps_;
