@@ -1458,8 +1458,8 @@ class DraftStep {
     return std::make_tuple(last, drafted, tops);
   }
 
-  // Up to max_steps steps in one call (no Python between them): the first as `step` with tokens and
-  // features at `start`, step s + 1 feeding the token drafted at s (and the drafter's output at its
+  // Up to max_steps steps in one call (no Python between them): the first as `step` with token_ids
+  // (T, a list) and features at `start`, step s + 1 feeding the token drafted at s (and the drafter's output at its
   // last position) at position next_start + s. Greedy, or, with temperature > 0, sampled: q =
   // softmax(scores / temperature) over the scored tokens is written to probs [max_steps, V] (row s,
   // at the tokens' ids; float32, zeros elsewhere) and step s draws by inverse CDF with uniforms[s]
@@ -1469,7 +1469,8 @@ class DraftStep {
   // [k, bins, 2], pooled [bins, 2], scale [k], theta [k - 1] float64, bin_prior:
   // speculative/policy/controller.py OneRowStop), after a step it says not to draft on from.
   // Returns the drafted tokens and probabilities of the steps run.
-  std::pair<std::vector<int64_t>, std::vector<double>> chain(Stack& layers, torch::Tensor tokens, OptTensor features,
+  std::pair<std::vector<int64_t>, std::vector<double>> chain(Stack& layers, const std::vector<int64_t>& token_ids,
+                                                             OptTensor features,
                                                              int64_t slot, int64_t start, int64_t next_start,
                                                              int64_t max_steps, double p_min, OptTensor binned,
                                                              OptTensor pooled, OptTensor scale, OptTensor theta,
@@ -1496,6 +1497,11 @@ class DraftStep {
     std::vector<int64_t> drafted;
     std::vector<double> tops;
     double survival = 1.0, tau = 1.0;  // the rule's a and tau (DepthController.one_row_survival)
+    // The first step's ids as a [1, T] view of the list's copy, each later step's as a [1, 1] view of
+    // `fed` (a Python-side torch.tensor of the ids cost ~40 us, cold after the target's forward).
+    int64_t fed = 0;
+    torch::Tensor tokens = torch::from_blob(const_cast<int64_t*>(token_ids.data()),
+                                            {1, static_cast<int64_t>(token_ids.size())}, torch::kLong);
     for (int64_t s = 0; s < max_steps; ++s) {
       const auto [out, scores] = forward(layers, tokens, features, slot, start);
       int64_t best = 0;
@@ -1522,7 +1528,8 @@ class DraftStep {
         tau += survival;
         if (!(survival / tau > theta->data_ptr<double>()[s])) break;
       }
-      tokens = torch::full({1, 1}, token, torch::TensorOptions().dtype(torch::kLong));
+      fed = token;
+      tokens = torch::from_blob(&fed, {1, 1}, torch::kLong);
       if (features.has_value()) features = out.slice(1, out.size(1) - 1, out.size(1));
       start = next_start + s;
     }

@@ -137,12 +137,11 @@ class NativeDraftStep:
         number of steps run."""
         one_row = getattr(chain.stop, "one_row", None)
         if chain.stop is None or one_row is not None:
-            ids = torch.tensor([tokens], dtype=torch.long)
             rule = (None, None, None, None, 0.0) if one_row is None else one_row()
             sampled = (temperature, None, None) if temperature == 0 else (
                 temperature, torch.tensor(chain.uniforms(row, generator), dtype=torch.float64),
                 chain.probs_buffer()[row])
-            drafted, tops = layers.draft_chain(self._step, cache_k, cache_v, ids, features, slot, start, next_start,
+            drafted, tops = layers.draft_chain(self._step, cache_k, cache_v, tokens, features, slot, start, next_start,
                                                max_tokens[row], chain.p_min, *rule, *sampled)
             for step, (token, top) in enumerate(zip(drafted, tops)):
                 chain.record([row], step, [token], [top])
