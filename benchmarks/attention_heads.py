@@ -2,6 +2,7 @@
 
     python benchmarks/attention_heads.py --out benchmarks/results/engine/attention_heads.json
     python benchmarks/attention_heads.py --decode w4a8 [--control]
+    python benchmarks/attention_heads.py --cache int8 --heads 32,64,128
 
 `--decode SCHEME` (none, w4a8, ...): plain decoding of a Phi-3-shaped random-weight model (heads of
 96, 8 layers, hidden 768, the default model's tokenizer) at batch 1, bf16, two engines in one
@@ -28,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from specdecode.kernels import attention_cpu
+from specdecode.models.layers import dequantize_kv, quantize_kv
 
 
 def inputs(T: int, S: int, D: int, dtype: torch.dtype, kv_heads: int = 4, group: int = 2):
@@ -138,6 +140,9 @@ def main() -> None:
     parser.add_argument("--heads", default="64,80,96", help="head sizes, comma-separated")
     parser.add_argument("--widths", default="1,5,9", help="new tokens a step, comma-separated")
     parser.add_argument("--keys", type=int, default=256, help="cached keys each token sees")
+    parser.add_argument("--cache", choices=("dtype", "int8"), default="dtype",
+                        help="int8: the kernel reads an int8 cache's records (kv_cache_dtype='int8'), PyTorch their "
+                             "dequantised values (what the op runs where the int8 kernel is not built)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--decode", default=None, help="plain decoding A / B at this scheme instead (none, w4a8, ...)")
@@ -147,6 +152,8 @@ def main() -> None:
     args = parser.parse_args()
     if not attention_cpu.available():
         raise SystemExit("the attention kernel is not built here (needs AVX2, FMA and a C++ compiler)")
+    if args.cache == "int8" and not attention_cpu.serves_int8():
+        raise SystemExit("the int8 cache's attention kernel is not built here (needs AVX-512)")
     if args.decode is not None:
         result = decode_ab(args.decode, args.control, args.passes)
         if args.out:
@@ -158,14 +165,19 @@ def main() -> None:
         for dtype in (torch.bfloat16, torch.float32):
             for D in (int(h) for h in args.heads.split(",")):
                 for T in (int(w) for w in args.widths.split(",")):
-                    call = inputs(T, args.keys, D, dtype)
-                    ours(*call), pytorch(*call)  # warm-up
+                    call = theirs = inputs(T, args.keys, D, dtype)
+                    if args.cache == "int8":
+                        q, keys, values, mask, group = call
+                        call = (q, quantize_kv(keys), quantize_kv(values), mask, group)
+                        theirs = (q, dequantize_kv(call[1], dtype), dequantize_kv(call[2], dtype), mask, group)
+                    ours(*call), pytorch(*theirs)  # warm-up
                     a, b = [], []
                     for _ in range(args.rounds):
                         a.append(fastest(ours, call, args.repeats))
-                        b.append(fastest(pytorch, call, args.repeats))
-                    row = {"dtype": str(dtype).removeprefix("torch."), "head_dim": D, "tokens": T, "keys": args.keys,
-                           "kernel_us": 1e6 * statistics.median(a), "pytorch_us": 1e6 * statistics.median(b)}
+                        b.append(fastest(pytorch, theirs, args.repeats))
+                    row = {"dtype": str(dtype).removeprefix("torch."), "cache": args.cache, "head_dim": D, "tokens": T,
+                           "keys": args.keys, "kernel_us": 1e6 * statistics.median(a),
+                           "pytorch_us": 1e6 * statistics.median(b)}
                     row["pytorch_over_kernel"] = row["pytorch_us"] / row["kernel_us"]
                     rows.append(row)
                     print(f"{row['dtype']:>8} D={D:<3} T={T:<2} kernel {row['kernel_us']:7.1f} us  "

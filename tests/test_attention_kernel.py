@@ -129,16 +129,19 @@ def test_the_op_attends_over_an_int8_cache_as_over_its_dequantised_values(dtype,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_int8_caches_rows_do_not_depend_on_the_other_tokens_or_hidden_keys(dtype):
-    """The int8 kernel keeps the op's invariance: a token's rows alone equal its rows in a 17-token step,
-    and a padded batch's hidden keys change nothing."""
+@pytest.mark.parametrize("D,group", [(64, 2), (64, 1), (32, 1), (128, 1)])
+def test_an_int8_caches_rows_do_not_depend_on_the_other_tokens_or_hidden_keys(dtype, D, group):
+    """The int8 kernel keeps the op's invariance: a token's rows alone equal its rows in a 17-token step
+    (at group 1 a token's one row is scored alone, beside the others in pairs), and a padded batch's
+    hidden keys change nothing."""
     if not attention_cpu.serves_int8():
         pytest.skip("the int8 cache's kernel needs AVX-512")
-    q, keys, values, mask = _inputs(1, 4, 2, 17, 300, 64, dtype)
+    q, keys, values, mask = _inputs(1, 4, group, 17, 300, D, dtype)
     qk, qv = _quantized(keys), _quantized(values)
-    out = attention_cpu.cached_attention(q, qk, qv, mask, 2).view(1, 4, 2, 17, 64)
+    out = attention_cpu.cached_attention(q, qk, qv, mask, group).view(1, 4, group, 17, D)
     for t in range(17):
-        alone = attention_cpu.cached_attention(q.view(1, 4, 2, 17, 64)[:, :, :, t], qk, qv, mask[:, :, t:t + 1], 2)
+        alone = attention_cpu.cached_attention(q.view(1, 4, group, 17, D)[:, :, :, t], qk, qv, mask[:, :, t:t + 1],
+                                               group)
         assert torch.equal(alone, out[:, :, :, t]), t
     q, keys, values, mask = _inputs(1, 4, 2, 3, 13, 64, dtype)
     own = attention_cpu.cached_attention(q, _quantized(keys), _quantized(values), mask, 2)

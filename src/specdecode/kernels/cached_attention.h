@@ -97,14 +97,17 @@ inline __m512 pair_sums(__m512 a, __m512 b) {
   return _mm512_add_ps(_mm512_permutex2var_ps(a, even, b), _mm512_permutex2var_ps(a, odd, b));
 }
 
+// Two levels of the keys' tree: 4 vectors of 16 partial sums (key j's in vector j, or lanes 4j ..
+// 4j + 3 of each for 16 keys) -> [key 0's 4, key 1's 4, key 2's 4, key 3's 4] (or the 16 keys' sums).
+inline __m512 four_keys(const __m512* acc) {
+  return pair_sums(pair_sums(acc[0], acc[1]), pair_sums(acc[2], acc[3]));
+}
+
 // 16 keys' dot products, lane j holding key j's 16 partial sums -> [key 0's sum, .., key 15's], each by
-// one fixed tree of pairwise sums.
+// one fixed tree of pairwise sums (four keys' two levels, then the same two levels over their results).
 inline __m512 sum_keys16(const __m512* acc) {
-  __m512 p[8], r[4], t[2];
-  for (int i = 0; i < 8; ++i) p[i] = pair_sums(acc[2 * i], acc[2 * i + 1]);  // 8 partial sums a key
-  for (int i = 0; i < 4; ++i) r[i] = pair_sums(p[2 * i], p[2 * i + 1]);      // 4
-  for (int i = 0; i < 2; ++i) t[i] = pair_sums(r[2 * i], r[2 * i + 1]);      // 2
-  return pair_sums(t[0], t[1]);
+  const __m512 quarters[4] = {four_keys(acc), four_keys(acc + 4), four_keys(acc + 8), four_keys(acc + 12)};
+  return four_keys(quarters);
 }
 
 // The keys of block s0.. a row sees: all 16, less those hidden by its mask or past S.
@@ -151,6 +154,54 @@ float row_scores(const scalar_t* q, const int8_t* k, int64_t ks, const bool* vis
     vmax = _mm512_max_ps(vmax, kept);
   }
   return _mm512_reduce_max_ps(vmax);  // a maximum: exact in any order
+}
+
+// row_scores over an int8 cache for two query rows at once: each key's values widened once for both,
+// 4 keys at a time, each quarter's accumulators reduced to its first two tree levels before the next
+// (16 accumulators a row otherwise: a pair's would not fit the registers with the queries). Each key's
+// tree and factors are row_scores', so each row's scores and maximum are too, bit for bit. Heads up
+// to 64 (`paired_scores`).
+template <int DV, typename scalar_t>
+std::pair<float, float> pair_scores(const scalar_t* q0, const scalar_t* q1, const int8_t* k, int64_t ks,
+                                    const bool* visible0, const bool* visible1, int64_t S, float scale,
+                                    float* scores0, float* scores1) {
+  constexpr int Z = DV / 2;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  __m512 qa[Z], qb[Z];
+  for (int c = 0; c < Z; ++c) qa[c] = load16(q0 + c * 16), qb[c] = load16(q1 + c * 16);
+  __m512 vmax0 = _mm512_set1_ps(neg_inf), vmax1 = vmax0;
+  alignas(64) float key_scales[16];
+  for (int64_t s0 = 0; s0 < S; s0 += 16) {
+    const bool tail = s0 + 16 > S;
+    __m512 quarters0[4], quarters1[4];
+    for (int quarter = 0; quarter < 4; ++quarter) {
+      __m512 acc0[4], acc1[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        const int64_t s = s0 + quarter * 4 + j;
+        const int8_t* key = k + (tail ? std::min<int64_t>(s, S - 1) : s) * ks;  // past S: a real key, hidden
+        __m512 values = load16(key);
+        __m512 a0 = _mm512_mul_ps(qa[0], values), a1 = _mm512_mul_ps(qb[0], values);
+#pragma GCC unroll 16
+        for (int c = 1; c < Z; ++c) {
+          values = load16(key + c * 16);
+          a0 = _mm512_fmadd_ps(qa[c], values, a0), a1 = _mm512_fmadd_ps(qb[c], values, a1);
+        }
+        acc0[j] = a0, acc1[j] = a1;
+        key_scales[quarter * 4 + j] = record_scale(key, DV * 8);
+      }
+      quarters0[quarter] = four_keys(acc0), quarters1[quarter] = four_keys(acc1);
+    }
+    const __m512 factors = _mm512_mul_ps(_mm512_load_ps(key_scales), _mm512_set1_ps(scale));
+    const __m512 kept0 = _mm512_mask_blend_ps(seen16(visible0, s0, S), _mm512_set1_ps(neg_inf),
+                                              _mm512_mul_ps(four_keys(quarters0), factors));
+    const __m512 kept1 = _mm512_mask_blend_ps(seen16(visible1, s0, S), _mm512_set1_ps(neg_inf),
+                                              _mm512_mul_ps(four_keys(quarters1), factors));
+    _mm512_storeu_ps(scores0 + s0, kept0);
+    _mm512_storeu_ps(scores1 + s0, kept1);
+    vmax0 = _mm512_max_ps(vmax0, kept0), vmax1 = _mm512_max_ps(vmax1, kept1);
+  }
+  return {_mm512_reduce_max_ps(vmax0), _mm512_reduce_max_ps(vmax1)};
 }
 #endif
 
@@ -292,12 +343,13 @@ inline float exponentiate(float* scores, int64_t S, float m) {
   return fixed_sum8(lanes);
 }
 
-// Whether a KV head's rows take their scores two at a time (pair_scores): where row_scores runs the
-// 8-lane chain (not over an int8 cache, nor bf16's vdpbf16ps one) on a CPU with AVX-512, for heads
-// up to 128 (a pair's query of 256 would fill the 32 vector registers alone).
+// Whether a KV head's rows take their scores two at a time (pair_scores), on a CPU with AVX-512: the
+// 8-lane chain (not bf16's vdpbf16ps one) for heads up to 128 (a pair's query of 256 would fill the 32
+// vector registers alone), an int8 cache's 16-lane loop for heads up to 64.
 template <int DV, typename scalar_t, typename cache_t>
 constexpr bool paired_scores() {
 #if defined(__AVX512F__)
+  if constexpr (kQuantized<cache_t>) return DV <= 8;
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && DV % 4 == 0) return false;
 #endif
