@@ -1406,7 +1406,8 @@ class DraftStep {
   DraftStep(torch::Tensor embedding, torch::Tensor inv_freq, double attention_factor, bool attn_input,
             OptTensor embed_norm, double embed_eps, OptTensor feature_norm, double feature_eps,
             std::optional<Linear> fc, OptTensor head_norm, double head_eps, Linear head, OptTensor head_ids)
-      : embedding_(std::move(embedding)), rope_(std::move(inv_freq), attention_factor), attn_input_(attn_input), embed_norm_(std::move(embed_norm)), embed_eps_(embed_eps),
+      : embedding_(std::move(embedding)), rope_(std::move(inv_freq), attention_factor), attn_input_(attn_input),
+        embed_norm_(std::move(embed_norm)), embed_eps_(embed_eps),
         feature_norm_(std::move(feature_norm)), feature_eps_(feature_eps), fc_(std::move(fc)),
         head_norm_(std::move(head_norm)), head_eps_(head_eps), head_(std::move(head)), head_ids_(std::move(head_ids)) {}
 
@@ -1459,8 +1460,8 @@ class DraftStep {
   }
 
   // Up to max_steps steps in one call (no Python between them): the first as `step` with token_ids
-  // (T, a list) and features at `start`, step s + 1 feeding the token drafted at s (and the drafter's output at its
-  // last position) at position next_start + s. Greedy, or, with temperature > 0, sampled: q =
+  // (T, a list) and features at `start`, step s + 1 feeding the token drafted at s (and the drafter's
+  // output at its last position) at position next_start + s. Greedy, or, with temperature > 0, sampled: q =
   // softmax(scores / temperature) over the scored tokens is written to probs [max_steps, V] (row s,
   // at the tokens' ids; float32, zeros elsewhere) and step s draws by inverse CDF with uniforms[s]
   // (float64 [max_steps]; sampling.py inverse_cdf: the same sequential float64 sums), its
