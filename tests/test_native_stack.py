@@ -3,6 +3,8 @@ to the Python modules for every batch it serves, and never serving what it does 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from helpers import bf16_copy, make_hf_model, make_native_model
@@ -228,6 +230,33 @@ def test_the_lean_path_equals_the_modules_bit_for_bit(lean_model, forced_kernels
     # (embedding to logits): decode steps, ragged columns and rows, verifications
     assert stack_calls.batches == [[1, 1], [2, 1], [1, 2], [1, 1], [4, 3], [3, 3]]
     assert stack.lean_forwards() == 10
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("float32", "auto"), ("bfloat16", "int8")])
+def test_the_lean_paths_loops_run_on_one_thread_team_and_compute_what_a_fixed_split_does(
+        lean_model, forced_kernels, stack_calls, dtype, kv_cache_dtype):
+    # A lean forward's matmul and attention loops run on the threads of one parallel region
+    # (kernels/thread_team.h), each thread claiming items as it goes (its own share, then others'):
+    # an item is one thread's work whichever thread it is, so every result equals that of every loop
+    # in its own OpenMP region over fixed halves (the team switched off).
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the lean path needs AVX-512 VNNI")
+    if torch.get_num_threads() < 2 or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a thread team needs two threads on two CPUs")
+    extension = decode_stack_cpu.extension()
+    llm = LLM(lean_model, dtype=dtype, quantization="w4a8", max_num_seqs=2, kv_cache_dtype=kv_cache_dtype)
+    steps = _steps(llm.model.config.vocab_size)
+    before = extension.thread_team_loops()
+    ours = _run(llm, steps)
+    ran = extension.thread_team_loops() - before
+    assert ran >= 10 * 5 * llm.model.config.num_hidden_layers  # every step: four matmuls and attention a layer
+    extension.set_thread_team(False)
+    try:
+        theirs = _run(llm, steps)
+    finally:
+        extension.set_thread_team(True)
+    assert extension.thread_team_loops() - before == ran
+    _assert_bit_identical(ours, theirs)
 
 
 @pytest.mark.parametrize("model,kv_cache_dtype", [("native_model", "auto"), ("lean_model", "auto"),

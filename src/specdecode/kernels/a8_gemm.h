@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "lines_ahead.h"
+#include "thread_team.h"
 
 namespace a8_kernels {
 namespace {
@@ -249,11 +250,11 @@ void gemm(const in_t* x, int64_t M, int64_t K, const uint8_t* w, const void* par
   // Each thread takes whole column tiles and runs every row tile on them: a tile's weights are read
   // from memory once and from L1/L2 for the row tiles after the first, which all prefetch a share of
   // the thread's next column tile (lines_ahead.h; w8a8 calls of one wide row tile do not).
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t line0 = t * tile_lines_count, next0 = line0 + tile_lines_count;
+  thread_team::parallel_for(tiles, [&](thread_team::Claims& claims) {
+    for (int64_t t = claims.next(); t >= 0; t = claims.next()) {
+      const int64_t line0 = t * tile_lines_count, after = claims.ahead(), next0 = after * tile_lines_count;
       const int NB = static_cast<int>(std::min<int64_t>(tile_lines_count, lines - line0));
-      const uint8_t* next = t + 1 < end && prefetch ? w + next0 * line_bytes : nullptr;
+      const uint8_t* next = after >= 0 && prefetch ? w + next0 * line_bytes : nullptr;
       const int64_t next_bytes = std::min<int64_t>(tile_lines_count, lines - next0) * line_bytes;
       for (int64_t tile = 0, m0 = 0; tile < row_tiles; ++tile) {
         const LinesAhead ahead = lines_ahead::share(next, next_bytes, row_tiles, blocks, tile);

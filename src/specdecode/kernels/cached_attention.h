@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kv_records.h"
+#include "thread_team.h"
 
 namespace attention_kernels {
 namespace {
@@ -501,9 +502,9 @@ void attention_segments(const std::vector<HeadSegment<scalar_t, cache_t>>& segme
     rows = std::max(rows, group * seg.T);
   }
   const int64_t tasks = static_cast<int64_t>(segments.size()) * KVH;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+  thread_team::parallel_for(tasks, [&](thread_team::Claims& claims) {
     std::vector<float> probs(most), sums(rows);
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task = claims.next(); task >= 0; task = claims.next()) {
       const auto& seg = segments[task / KVH];
       const int64_t h = task % KVH, R = group * seg.T;
       attend_head<DV>(seg.q + h * R * DV * 8, R, seg.k + h * ks[2], ks[1], seg.v + h * vs[2], vs[1], seg.S, seg.mask,

@@ -619,8 +619,7 @@ class Stack {
       ++lean_forwards_;
       const std::vector<Segment> one{
           {slot_begin, write_start, x.size(1), num_keys, 0, 0, mask.has_value() ? mask->data_ptr<bool>() : nullptr}};
-      if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, one, taps, attn_input);
-      return lean_forward<at::BFloat16>(x, cos, sin, one, taps, attn_input);
+      return lean_forward(x, cos, sin, one, taps, attn_input);
     }
 #endif
     const int64_t L = static_cast<int64_t>(layers_.size());
@@ -699,8 +698,7 @@ class Stack {
         segments.back().row_begin + segments.back().rows != x.size(1))
       return std::nullopt;
     ++lean_forwards_;
-    if (x.scalar_type() == at::kFloat) return lean_forward<float>(x, cos, sin, segments, taps, attn_input);
-    return lean_forward<at::BFloat16>(x, cos, sin, segments, taps, attn_input);
+    return lean_forward(x, cos, sin, segments, taps, attn_input);
 #else
     return std::nullopt;
 #endif
@@ -769,13 +767,28 @@ class Stack {
     return true;
   }
 
+  // `lean_layers` in x's dtype, its kernels' parallel loops on the threads of one region (thread_team.h:
+  // ~31 OpenMP regions a one-token forward of the default model were ~1.3 us of fork and join each).
+  std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_forward(const torch::Tensor& x, const torch::Tensor& cos,
+                                                                    const torch::Tensor& sin,
+                                                                    const std::vector<Segment>& segments,
+                                                                    const std::vector<int64_t>& taps,
+                                                                    const OptTensor& attn_input) {
+    std::pair<torch::Tensor, std::vector<torch::Tensor>> out;
+    thread_team::region([&] {
+      out = x.scalar_type() == at::kFloat ? lean_layers<float>(x, cos, sin, segments, taps, attn_input)
+                                          : lean_layers<at::BFloat16>(x, cos, sin, segments, taps, attn_input);
+    });
+    return out;
+  }
+
   // Stack::forward for what lean_serves accepts, on the kernels' functions and plain loops (see the
   // top of this file): the same numbers as layer_forward's ops.
   // Its rows are the segments' (one sequence's chain, or a batch's chains, one after the other): the
   // linears and norms run over all T rows at once, RoPE and the cache writes per segment, and attention of
   // every segment in one parallel region.
   template <typename scalar_t>
-  std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_forward(const torch::Tensor& x_in, const torch::Tensor& cos,
+  std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_layers(const torch::Tensor& x_in, const torch::Tensor& cos,
                                                                     const torch::Tensor& sin,
                                                                     const std::vector<Segment>& segments,
                                                                     const std::vector<int64_t>& taps,
@@ -1769,6 +1782,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("batch", &DraftStep::batch)
       .def("chain", &DraftStep::chain);
   m.def("watch_current", &watch_current);
+#if SPECDECODE_LEAN_PATH
+  m.def("set_thread_team", &thread_team::set_enabled);  // off: every loop its own OpenMP region (A/B)
+  m.def("thread_team_loops", &thread_team::loops);
+#endif
   py::class_<ChainForward>(m, "ChainForward")
       .def(py::init<torch::Tensor, torch::Tensor, double, Linear>())
       .def("forward", &ChainForward::forward)

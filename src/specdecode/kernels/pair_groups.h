@@ -12,10 +12,12 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
 #include "lines_ahead.h"
+#include "thread_team.h"
 
 namespace pair_groups {
 
@@ -34,10 +36,11 @@ inline void for_group_tiles(int64_t M, int64_t N, int64_t K, const void* weights
   const int64_t group_bytes = K * kGroupN * 2;  // K / 2 pairs of 64 x 2 bf16
   const int64_t tiles = (M + kMaxRows - 1) / kMaxRows;
   const char* base = static_cast<const char*>(weights);
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    const char* range_end = base + end * group_bytes;
-    for (int64_t g = begin; g < end; ++g) {
-      const char* next = g + 1 < end ? base + (g + 1) * group_bytes : nullptr;
+  thread_team::parallel_for(groups, [&](thread_team::Claims& claims) {
+    for (int64_t g = claims.next(); g >= 0; g = claims.next()) {
+      const int64_t after = claims.ahead();
+      const char* range_end = base + std::max(g + 1, claims.end()) * group_bytes;
+      const char* next = after >= 0 ? base + after * group_bytes : nullptr;
       // One tile streams ahead of its reads; more split the next group (each its share over its K / 2
       // pair steps).
       auto ahead = [&](int64_t m) {
