@@ -768,17 +768,25 @@ class Stack {
   }
 
   // `lean_layers` in x's dtype, its kernels' parallel loops on the threads of one region (thread_team.h:
-  // ~31 OpenMP regions a one-token forward of the default model were ~1.3 us of fork and join each).
+  // ~31 OpenMP regions a one-token forward of the default model were ~1.3 us of fork and join each) where
+  // every ATen call of the forward would run on one thread anyway, as inside a region they do: each
+  // linear on its own kernel (not a bf16 layer's oneDNN op past the lean width), the SiLU's T x I
+  // elements below PyTorch's grain.
   std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_forward(const torch::Tensor& x, const torch::Tensor& cos,
                                                                     const torch::Tensor& sin,
                                                                     const std::vector<Segment>& segments,
                                                                     const std::vector<int64_t>& taps,
                                                                     const OptTensor& attn_input) {
     std::pair<torch::Tensor, std::vector<torch::Tensor>> out;
-    thread_team::region([&] {
+    auto run = [&] {
       out = x.scalar_type() == at::kFloat ? lean_layers<float>(x, cos, sin, segments, taps, attn_input)
                                           : lean_layers<at::BFloat16>(x, cos, sin, segments, taps, attn_input);
-    });
+    };
+    const int64_t T = x.numel() / x.size(-1);
+    if (T <= lean_rows_ && T * intermediate_ < at::internal::GRAIN_SIZE)
+      thread_team::region(run);
+    else
+      run();
     return out;
   }
 
