@@ -199,7 +199,7 @@ inline int64_t loops() { return g_loops.load(); }
 
 // Run `caller` with a region of at::get_num_threads() threads behind it: its `parallel_for` loops run on
 // them. Nested, inside another parallel region, with one thread, more threads than usable CPUs (spinning
-// threads would then wait on each other's time slices: 1.1-1.2x OpenMP's time at 3 threads on 2 CPUs)
+// threads would then wait on each other's time slices: 1.08-1.28x OpenMP's time at 3 threads on 2 CPUs)
 // or when disabled, `caller` runs as is.
 template <typename F>
 void region(const F& caller) {
