@@ -178,6 +178,31 @@ def test_argmax_rows_picks_as_torch_argmax_does():
     assert argmax_rows(batch) == batch.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_paths_swiglu_computes_what_pytorchs_silu_and_mul_do(dtype):
+    """The lean path's silu(gate) * up (kernels/swiglu.h) runs PyTorch's own silu arithmetic without its
+    op: it must give `F.silu(gate).mul_(up)` bit for bit, in the vectorised steps and in each row's rest
+    (widths that are not a multiple of the step), at the extremes of exp and on rows split over threads."""
+    if not gemm_a8_cpu.available("cpu"):
+        pytest.skip("the lean path needs AVX-512 VNNI")
+    silu_mul_rows = decode_stack_cpu.extension().silu_mul_rows
+    g = torch.Generator().manual_seed(0)
+    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, 89.0, -89.0, 104.0, -104.0, 1e30,
+                            -1e30, float("inf"), float("-inf"), float("nan")])
+    for rows, width in [(1, 1), (1, 17), (2, 31), (3, 32), (1, 33), (2, 64), (3, 95), (1, 1408), (5, 1408),
+                        (40, 1408)]:  # 40 x 1408 values: past PyTorch's grain, rows split over threads
+        gate = torch.randn(rows, width, generator=g) * torch.tensor([0.5, 4.0, 30.0])[torch.arange(width) % 3]
+        flat = gate.view(-1)
+        flat[torch.randperm(flat.numel(), generator=g)[: len(special)]] = special[: flat.numel()]
+        gate_up = torch.cat([gate, torch.randn(rows, width, generator=g) * 3], dim=1).to(dtype)
+        ours = silu_mul_rows(gate_up)
+        theirs = torch.nn.functional.silu(gate_up[:, :width]).mul_(gate_up[:, width:])
+        assert torch.equal(ours.isnan(), theirs.isnan()), (rows, width)
+        finite = ~theirs.isnan()
+        assert torch.equal(ours[finite].view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           theirs[finite].view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), (rows, width)
+
+
 @pytest.mark.parametrize("dtype,quantization", [("float32", None), ("bfloat16", "w4a8")])
 def test_a_one_sequence_forward_asked_for_its_argmax_takes_torch_argmax_of_its_logits(native_model, stack_calls,
                                                                                        dtype, quantization):

@@ -47,6 +47,7 @@
 #include "a8_gemm.h"
 #include "bf16w_gemm.h"
 #include "cached_attention.h"
+#include "swiglu.h"
 #else
 #define SPECDECODE_LEAN_PATH 0
 #endif
@@ -769,9 +770,9 @@ class Stack {
 
   // `lean_layers` in x's dtype, its kernels' parallel loops on the threads of one region (thread_team.h:
   // ~31 OpenMP regions a one-token forward of the default model were ~1.3 us of fork and join each) where
-  // every ATen call of the forward would run on one thread anyway, as inside a region they do: each
-  // linear on its own kernel (not a bf16 layer's oneDNN op past the lean width), the SiLU's T x I
-  // elements below PyTorch's grain.
+  // the forward makes no ATen call that would use threads, as inside a region none does: each linear on
+  // its own kernel (not a bf16 layer's oneDNN op past the lean width). At 24, 64 and 200 tokens the
+  // region measured level with a region a loop (0.993x, 1.000x, 1.000x), so it serves every lean width.
   std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_forward(const torch::Tensor& x, const torch::Tensor& cos,
                                                                     const torch::Tensor& sin,
                                                                     const std::vector<Segment>& segments,
@@ -783,7 +784,7 @@ class Stack {
                                           : lean_layers<at::BFloat16>(x, cos, sin, segments, taps, attn_input);
     };
     const int64_t T = x.numel() / x.size(-1);
-    if (T <= lean_rows_ && T * intermediate_ < at::internal::GRAIN_SIZE)
+    if (T <= lean_rows_)
       thread_team::region(run);
     else
       run();
@@ -877,14 +878,7 @@ class Stack {
       add_into_x(projected);
       rms_kernels::rms_norm_rows(x, l.post_norm.data_ptr<scalar_t>(), h, T, d, static_cast<float>(l.eps));
       linear_rows(l.gate_up, h, T, gate_up, options);
-      // silu(gate) by PyTorch's op (its exp), then times up rounded as its mul_ rounds.
-      torch::Tensor act_t = at::from_blob(act, {T, I}, options);
-      at::silu_out(act_t, at::from_blob(gate_up, {T, I}, {2 * I, 1}, options));
-      for (int64_t t = 0; t < T; ++t) {
-        scalar_t* a = act + t * I;
-        const scalar_t* up = gate_up + t * 2 * I + I;
-        for (int64_t j = 0; j < I; ++j) a[j] = static_cast<scalar_t>(static_cast<float>(a[j]) * static_cast<float>(up[j]));
-      }
+      swiglu_kernels::product_rows(gate_up, T, I, act);  // PyTorch's silu and mul_, without their ops
       linear_rows(l.down, act, T, projected, options);
       add_into_x(projected);
     }
@@ -1748,6 +1742,21 @@ std::vector<int64_t> argmax_rows(const torch::Tensor& logits) {  // [R, V] float
   return out;
 }
 
+#if SPECDECODE_LEAN_PATH
+torch::Tensor silu_mul_rows(const torch::Tensor& gate_up) {  // [T, 2I] float32 or bf16, contiguous
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0 &&
+                  (gate_up.scalar_type() == at::kFloat || gate_up.scalar_type() == at::kBFloat16),
+              "silu_mul_rows: float32 or bf16 [T, 2I] contiguous");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  torch::Tensor act = torch::empty({T, I}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat)
+    swiglu_kernels::product_rows(gate_up.data_ptr<float>(), T, I, act.data_ptr<float>());
+  else
+    swiglu_kernels::product_rows(gate_up.data_ptr<at::BFloat16>(), T, I, act.data_ptr<at::BFloat16>());
+  return act;
+}
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Linear>(m, "Linear");
   m.def("dense_linear", &dense_linear, "a dense layer: at::linear(x, weight, bias)", py::arg("weight"),
@@ -1758,6 +1767,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("with_wide", &with_wide, "the layer, from wide_from rows on the layer `wide` (its packed dense copy)");
   m.def("argmax_rows", &argmax_rows, "float32 [R, V] contiguous -> torch.argmax of each row (NaN the largest)",
         py::arg("logits"));
+#if SPECDECODE_LEAN_PATH
+  m.def("silu_mul_rows", &silu_mul_rows, "the lean path's SwiGLU: [T, 2I] -> silu(gate) * up [T, I] (gate, then up)",
+        py::arg("gate_up"));
+#endif
   m.def("inverse_cdf", &inverse_cdf_rows, "sampling.py inverse_cdf: float32 probs [N, V], float64 u [N] -> int64 [N]",
         py::arg("probs"), py::arg("u"));
   m.def("verify_sampled_row", &verify_sampled_row,
