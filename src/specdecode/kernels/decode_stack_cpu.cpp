@@ -771,8 +771,8 @@ class Stack {
   // `lean_layers` in x's dtype, its kernels' parallel loops on the threads of one region (thread_team.h:
   // ~31 OpenMP regions a one-token forward of the default model were ~1.3 us of fork and join each) where
   // the forward makes no ATen call that would use threads, as inside a region none does: each linear on
-  // its own kernel (not a bf16 layer's oneDNN op past the lean width). At 24, 64 and 200 tokens the
-  // region measured level with a region a loop (0.993x, 1.000x, 1.000x), so it serves every lean width.
+  // its own kernel (not a bf16 layer's oneDNN op past the lean width). Batches past the SwiGLU's grain
+  // run in it too: 8 sequences x 3 or 5 tokens took 0.91-0.97x a region a loop's time (A / A 0.98-1.12x).
   std::pair<torch::Tensor, std::vector<torch::Tensor>> lean_forward(const torch::Tensor& x, const torch::Tensor& cos,
                                                                     const torch::Tensor& sin,
                                                                     const std::vector<Segment>& segments,
