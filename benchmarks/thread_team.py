@@ -4,10 +4,12 @@ in one process: the team is switched (`set_thread_team`) between alternating for
     python benchmarks/thread_team.py --out benchmarks/results/engine/thread_team.json
     python benchmarks/thread_team.py --control      # both arms with the team on: the A / A spread
 
-Forwards: the default model at `--quantization` (float32 activations), batch 1, T new tokens at
-columns 200.. of a prefilled cache (`--widths`), `--blocks` blocks of `--per-block` forwards, the
-arms alternating forward by forward (the first arm swapped every block), so the machine's phase
-drifts hit both arms alike; per arm the block's summed time, and per block the ratio team / OpenMP.
+Forwards: the default model at `--quantization` (float32 activations), `--sequences` sequences in one
+forward, each T new tokens at columns 200.. of its own prefilled cache row (`--widths`), `--blocks`
+blocks of `--per-block` forwards, the arms alternating forward by forward (the first arm swapped every
+block), so the machine's phase drifts hit both arms alike; per arm the block's summed time, and per
+block the ratio team / OpenMP. Also the loops a forward ran on the team: 0 where the lean path does not
+take the forward (more than 40 query rows of one sequence per KV head), whose arms then run alike.
 Decoding (`--methods`, e.g. none,mtp:k=4): HumanEval prompts at batch 1, greedy, the arms
 alternating request by request (the first arm swapped every prompt); the decode seconds of each arm
 summed, and their ratio per prompt pair. Outputs must match between the arms (the team changes no
@@ -39,14 +41,18 @@ def ratios(team: list[float], other: list[float]) -> dict:
 
 
 def forwards(extension, args, control: bool) -> dict:
-    llm = LLM(None, dtype="float32", quantization=args.quantization, max_num_seqs=1)
+    llm = LLM(None, dtype="float32", quantization=args.quantization, max_num_seqs=args.sequences)
     runner = llm.runner
-    runner.forward([ForwardEntry(0, list(range(100, 300)), start=0, num_logits=1)])
+    for slot in range(args.sequences):
+        runner.forward([ForwardEntry(slot, list(range(100 + slot, 300 + slot)), start=0, num_logits=1)])
     out = {}
     for T in args.widths:
-        entries = [ForwardEntry(0, [5] * T, start=200, num_logits=T)]
+        entries = [ForwardEntry(slot, [5] * T, start=200, num_logits=T) for slot in range(args.sequences)]
         for _ in range(50):
             runner.forward(entries, argmax=True)
+        before = extension.thread_team_loops()
+        runner.forward(entries, argmax=True)
+        loops = extension.thread_team_loops() - before
         blocks = {True: [], False: []}
         for block in range(args.blocks):
             spent = {True: 0.0, False: 0.0}
@@ -59,9 +65,10 @@ def forwards(extension, args, control: bool) -> dict:
             for arm in spent:
                 blocks[arm].append(spent[arm] / args.per_block * 1e6)
         row = out[str(T)] = {"team_us": statistics.mean(blocks[True]), "openmp_us": statistics.mean(blocks[False]),
-                             **ratios(blocks[True], blocks[False])}
-        print(f"T={T}: team {row['team_us']:.1f} us, OpenMP {row['openmp_us']:.1f} us a forward; team / OpenMP "
-              f"{row['ratio']:.3f} (blocks {row['paired_min']:.3f}-{row['paired_max']:.3f})")
+                             "team_loops": loops, **ratios(blocks[True], blocks[False])}
+        print(f"{args.sequences} x T={T}: team {row['team_us']:.1f} us, OpenMP {row['openmp_us']:.1f} us a forward; "
+              f"team / OpenMP {row['ratio']:.3f} (blocks {row['paired_min']:.3f}-{row['paired_max']:.3f}); "
+              f"{loops} loops a forward on the team")
     extension.set_thread_team(True)
     return out
 
@@ -96,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quantization", default="w4a8")
     parser.add_argument("--widths", default="1,5,9", help="new tokens a forward, comma-separated")
+    parser.add_argument("--sequences", type=int, default=1, help="sequences a forward (batch size)")
     parser.add_argument("--blocks", type=int, default=20)
     parser.add_argument("--per-block", type=int, default=100, help="forwards of each arm a block")
     parser.add_argument("--methods", default="none,mtp:k=4", help="decoding runs ('' for none)")
@@ -110,7 +118,8 @@ def main() -> None:
     extension = decode_stack_cpu.extension()
     if extension is None or not hasattr(extension, "set_thread_team"):
         raise SystemExit("the decode-stack kernel's lean path is not built here (it needs AVX-512 VNNI)")
-    result = {"threads": args.threads, "quantization": args.quantization, "control": args.control,
+    result = {"threads": args.threads, "quantization": args.quantization, "sequences": args.sequences,
+              "control": args.control,
               "forwards_us": forwards(extension, args, args.control)}
     if args.methods:
         result["decoding"] = decoding(extension, args, args.control)
