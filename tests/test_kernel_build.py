@@ -93,7 +93,8 @@ def test_a_kernel_build_is_named_by_its_headers_too(tmp_path):
     shipped = Path(build.__file__).with_name("decode_stack_cpu.cpp")
     assert {p.name for p in build.local_includes(shipped)} == {"rms_norm.h", "a8_gemm.h", "bf16_gemm.h", "bf16w_gemm.h",
                                                                 "pair_groups.h", "lines_ahead.h", "cached_attention.h",
-                                                                "kv_records.h", "thread_team.h", "swiglu.h"}
+                                                                "kv_records.h", "thread_team.h", "swiglu.h",
+                                                                "fp32_lanes.h"}
 
 
 def _hold_build_lock(build_dir: Path):

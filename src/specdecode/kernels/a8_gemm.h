@@ -13,6 +13,7 @@
 #include <optional>
 #include <vector>
 
+#include "fp32_lanes.h"
 #include "lines_ahead.h"
 #include "thread_team.h"
 
@@ -35,11 +36,7 @@ constexpr int kFiveRowTileLines = 2;
 // four lines a tile: 1.08 ms, w4a8).
 constexpr int kOneRowTileLines = 1;
 
-inline __m512 load_fp32(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_fp32(const at::BFloat16* p) {  // 16 bf16 values as fp32 (exact: a 16-bit shift)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using fp32_lanes::load16;
 
 // One row of x [K] -> its codes xq [K] (int8), block scales sx [K / 32] and the blocks' code sums
 // codesum [K / 32]. Division (not a reciprocal) and round-to-nearest-
@@ -48,7 +45,7 @@ template <typename in_t>
 inline void quantize_row(const in_t* x, int64_t K, int8_t* xq, float* sx, int32_t* codesum) {
   const __m512 sign = _mm512_set1_ps(-0.0f);
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const __m512 lo = load_fp32(x + b * kBlock), hi = load_fp32(x + b * kBlock + 16);
+    const __m512 lo = load16(x + b * kBlock), hi = load16(x + b * kBlock + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
     float s = amax / 127.0f;
     if (s == 0.0f) s = 1.0f;
@@ -203,8 +200,8 @@ struct W4 {
 #pragma GCC unroll 2
       for (int j = 0; j < NB; ++j) {
         const at::BFloat16* sz = scale_zeros + ((line0 + j) * blocks + b) * 2 * kLine;
-        scale[j] = load_fp32(sz);
-        zero[j] = load_fp32(sz + kLine);
+        scale[j] = load16(sz);
+        zero[j] = load16(sz + kLine);
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {

@@ -14,6 +14,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp32_lanes.h"
 #include "kv_records.h"
 #include "thread_team.h"
 
@@ -82,11 +83,7 @@ inline __m256 exp_nonpositive(__m256 x) {
 }
 
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(
-      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using fp32_lanes::load16;
 inline __m512 load16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }

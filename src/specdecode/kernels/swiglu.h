@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "fp32_lanes.h"
 #include "thread_team.h"
 
 namespace swiglu_kernels {
@@ -38,11 +39,7 @@ inline __m256i to_bf16(__m512 v) {
   return _mm512_cvtusepi32_epi16(r);
 }
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(
-      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
+using fp32_lanes::load16;
 
 // out[j] = dtype(silu(gate[j])) * up[j], rounded to the dtype, for 16 values.
 inline void product16(const float* gate, const float* up, float* out) {
@@ -50,8 +47,7 @@ inline void product16(const float* gate, const float* up, float* out) {
 }
 inline void product16(const at::BFloat16* gate, const at::BFloat16* up, at::BFloat16* out) {
   const __m256i s = to_bf16(silu16(load16(gate)));  // silu's bf16 output, then mul_ in float
-  const __m512 s32 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(_mm512_mul_ps(s32, load16(up))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), to_bf16(_mm512_mul_ps(fp32_lanes::widen_bf16(s), load16(up))));
 }
 
 // One row: I values of gate and of up -> act.
